@@ -1,0 +1,31 @@
+//! `idem-core`: the idempotency domain, free of any I/O.
+//!
+//! # Layout
+//! - [`key`]: what a valid `Idempotency-Key` is.
+//! - [`canonical`] and [`fingerprint`]: when two requests are "the same request".
+//! - [`scope`]: `(tenant, endpoint, key)`, the unit of exactly-once.
+//! - [`record`]: what the ledger stores per scope, and the attempt's fencing token.
+//! - [`policy`]: per-route TTL, lease, wait and keep/release rules.
+//! - [`headers`]: which response headers are replayed.
+//! - [`engine`]: claim → execute → complete/release over the [`engine::Ledger`] and
+//!   [`engine::Cache`] traits that the storage adapters implement.
+#![forbid(unsafe_code)]
+
+pub mod canonical;
+pub mod engine;
+pub mod fingerprint;
+pub mod headers;
+pub mod key;
+pub mod policy;
+pub mod record;
+pub mod scope;
+
+pub use engine::{
+    Cache, CacheProbe, Claim, ClaimResult, Engine, Execution, Fence, Ledger, LedgerError, NoCache,
+    Outcome, Request, UnknownCause,
+};
+pub use fingerprint::{BodyKind, Fingerprint};
+pub use key::{IdempotencyKey, KeyError};
+pub use policy::{OnInProgress, Policy, StatusSet};
+pub use record::{AttemptId, Record, RecordState, StoredResponse};
+pub use scope::Scope;

@@ -1,0 +1,197 @@
+//! Per-route idempotency policy: how long keys live, what to do with a concurrent retry,
+//! and which upstream answers are kept (replayed) or released (retry may execute).
+
+use std::fmt;
+use std::str::FromStr;
+use std::time::Duration;
+
+/// What a retry gets while the first attempt is still running.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OnInProgress {
+    /// 409 with `Retry-After`.
+    Reject,
+    /// Wait (at most `wait_timeout`) for the first attempt's result and replay it.
+    Wait,
+}
+
+impl FromStr for OnInProgress {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "reject" => Ok(Self::Reject),
+            "wait" => Ok(Self::Wait),
+            other => Err(format!("expected \"reject\" or \"wait\", found {other:?}")),
+        }
+    }
+}
+
+/// A set of HTTP statuses, written as codes (`429`) and classes (`"5xx"`).
+#[derive(Clone, PartialEq, Eq)]
+pub struct StatusSet {
+    classes: [bool; 6],
+    codes: Vec<u16>,
+}
+
+impl StatusSet {
+    pub fn contains(&self, status: u16) -> bool {
+        let class = usize::from(status / 100);
+        self.classes.get(class).copied().unwrap_or(false) || self.codes.contains(&status)
+    }
+
+    /// Parses one entry: a class like `5xx` or a code from 100 to 599.
+    pub fn parse_entry(entry: &str) -> Result<StatusEntry, String> {
+        let bad =
+            || format!("expected a status code (100-599) or a class like \"5xx\", found {entry:?}");
+        match entry.as_bytes() {
+            [d @ b'1'..=b'5', b'x' | b'X', b'x' | b'X'] => Ok(StatusEntry::Class(d - b'0')),
+            _ => match entry.parse::<u16>() {
+                Ok(code) if (100..=599).contains(&code) => Ok(StatusEntry::Code(code)),
+                _ => Err(bad()),
+            },
+        }
+    }
+
+    pub fn from_entries(entries: impl IntoIterator<Item = StatusEntry>) -> Self {
+        let mut set = Self {
+            classes: [false; 6],
+            codes: Vec::new(),
+        };
+        for entry in entries {
+            match entry {
+                StatusEntry::Class(c) => set.classes[usize::from(c)] = true,
+                StatusEntry::Code(code) => set.codes.push(code),
+            }
+        }
+        set
+    }
+}
+
+impl fmt::Debug for StatusSet {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let classes = (1..6)
+            .filter(|&c| self.classes[c])
+            .map(|c| format!("{c}xx"));
+        let codes = self.codes.iter().map(u16::to_string);
+        f.debug_list().entries(classes.chain(codes)).finish()
+    }
+}
+
+/// One entry of a [`StatusSet`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StatusEntry {
+    Class(u8),
+    Code(u16),
+}
+
+/// The statuses released by default: the upstream says it did not (or could not)
+/// act, so a retry may execute: every 5xx, 408 Request Timeout, 425 Too Early and
+/// 429 Too Many Requests.
+pub fn default_release_statuses() -> StatusSet {
+    StatusSet::from_entries([
+        StatusEntry::Class(5),
+        StatusEntry::Code(408),
+        StatusEntry::Code(425),
+        StatusEntry::Code(429),
+    ])
+}
+
+/// The policy of one idempotent route, with `[idempotency]` defaults already applied.
+#[derive(Debug, Clone)]
+pub struct Policy {
+    /// How long a completed key is replayed.
+    pub ttl: Duration,
+    /// How long an in-progress claim is protected before the reconciler may act.
+    pub lease: Duration,
+    pub on_in_progress: OnInProgress,
+    /// The longest a retry waits for the first attempt, under the `wait` policy or a
+    /// client's `Prefer: wait=N`.
+    pub wait_timeout: Duration,
+    /// 409 (default) or 422 for a key reused with a different payload.
+    pub mismatch_status: u16,
+    /// Upstream statuses after which the key is released instead of kept.
+    pub release_on: StatusSet,
+    /// Whether `Set-Cookie` is stored and replayed.
+    pub store_set_cookie: bool,
+}
+
+impl Policy {
+    /// Whether an upstream answer with `status` is stored and replayed.
+    pub fn keeps(&self, status: u16) -> bool {
+        !self.release_on.contains(status)
+    }
+
+    /// How long a retry waits for the first attempt: the client's `Prefer: wait=N`
+    /// if it sent one, else the route's policy; never more than `wait_timeout`.
+    pub fn wait_for(&self, preferred: Option<Duration>) -> Option<Duration> {
+        match (preferred, self.on_in_progress) {
+            (Some(d), _) => Some(d.min(self.wait_timeout)),
+            (None, OnInProgress::Wait) => Some(self.wait_timeout),
+            (None, OnInProgress::Reject) => None,
+        }
+        .filter(|d| !d.is_zero())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn policy() -> Policy {
+        Policy {
+            ttl: Duration::from_secs(86_400),
+            lease: Duration::from_secs(30),
+            on_in_progress: OnInProgress::Reject,
+            wait_timeout: Duration::from_secs(5),
+            mismatch_status: 409,
+            release_on: default_release_statuses(),
+            store_set_cookie: false,
+        }
+    }
+
+    #[test]
+    fn keeps_successes_and_client_errors_releases_the_rest() {
+        let p = policy();
+        for kept in [200, 201, 204, 302, 400, 404, 409, 422] {
+            assert!(p.keeps(kept), "{kept}");
+        }
+        for released in [408, 425, 429, 500, 502, 503, 504, 599] {
+            assert!(!p.keeps(released), "{released}");
+        }
+    }
+
+    #[test]
+    fn status_entries_parse() {
+        assert_eq!(StatusSet::parse_entry("5xx"), Ok(StatusEntry::Class(5)));
+        assert_eq!(StatusSet::parse_entry("4XX"), Ok(StatusEntry::Class(4)));
+        assert_eq!(StatusSet::parse_entry("409"), Ok(StatusEntry::Code(409)));
+        for bad in ["6xx", "0xx", "600", "99", "x", "", "5x"] {
+            assert!(StatusSet::parse_entry(bad).is_err(), "{bad}");
+        }
+        let set = StatusSet::from_entries([StatusEntry::Class(4), StatusEntry::Code(503)]);
+        assert!(set.contains(404) && set.contains(503) && !set.contains(500));
+    }
+
+    #[test]
+    fn wait_comes_from_the_client_or_the_route_and_is_capped() {
+        let mut p = policy();
+        assert_eq!(p.wait_for(None), None);
+        assert_eq!(
+            p.wait_for(Some(Duration::from_secs(2))),
+            Some(Duration::from_secs(2))
+        );
+        assert_eq!(
+            p.wait_for(Some(Duration::from_secs(60))),
+            Some(Duration::from_secs(5))
+        );
+        assert_eq!(p.wait_for(Some(Duration::ZERO)), None);
+        p.on_in_progress = OnInProgress::Wait;
+        assert_eq!(p.wait_for(None), Some(Duration::from_secs(5)));
+    }
+
+    #[test]
+    fn on_in_progress_parses() {
+        assert_eq!("wait".parse(), Ok(OnInProgress::Wait));
+        assert_eq!("reject".parse(), Ok(OnInProgress::Reject));
+        assert!("later".parse::<OnInProgress>().is_err());
+    }
+}
