@@ -1,1 +1,70 @@
-//! stub
+//! `idem-postgres`: the durable ledger of idempotency records, on Postgres.
+//!
+//! # Layout
+//! - [`ledger`]: [`PgLedger`], the engine's [`idem_core::Ledger`] (claim, read,
+//!   complete, release — each one atomic statement).
+//! - [`headers`]: how response headers are stored, byte for byte.
+//! - [`connect`] and [`migrate`]: the pool and the embedded migrations of `migrations/`.
+#![forbid(unsafe_code)]
+
+pub mod headers;
+pub mod ledger;
+
+use std::str::FromStr;
+use std::time::Duration;
+
+use sqlx::PgPool;
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+
+pub use ledger::PgLedger;
+
+/// The schema, embedded from the workspace's `migrations/` at build time.
+pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("../../migrations");
+
+/// Pool settings.
+#[derive(Debug, Clone)]
+pub struct PoolSettings {
+    pub max_connections: u32,
+    /// How long a request waits for a free connection before failing.
+    pub acquire_timeout: Duration,
+    /// `statement_timeout` on every connection: the server gives up on a statement
+    /// that takes longer.
+    pub statement_timeout: Duration,
+    pub application_name: String,
+}
+
+/// Opens a pool. Fails if the database cannot be reached.
+pub async fn connect(url: &str, settings: &PoolSettings) -> Result<PgPool, sqlx::Error> {
+    let options = PgConnectOptions::from_str(url)?
+        .application_name(&settings.application_name)
+        .options([(
+            "statement_timeout",
+            format!("{}ms", settings.statement_timeout.as_millis()),
+        )]);
+    PgPoolOptions::new()
+        .max_connections(settings.max_connections)
+        .acquire_timeout(settings.acquire_timeout)
+        .connect_with(options)
+        .await
+}
+
+/// Applies pending migrations. Safe to run from several processes at once (the
+/// migrator takes an advisory lock).
+pub async fn migrate(pool: &PgPool) -> Result<(), sqlx::migrate::MigrateError> {
+    MIGRATOR.run(pool).await
+}
+
+/// A ledger call that did not finish in time.
+#[derive(Debug, thiserror::Error)]
+#[error("the ledger did not answer within {0:?}")]
+pub struct Timeout(pub Duration);
+
+/// A claim that kept conflicting with rows that vanished before they could be read.
+#[derive(Debug, thiserror::Error)]
+#[error("the claim kept racing with releases; try again")]
+pub struct Contended;
+
+/// A row that does not have the shape the schema promises.
+#[derive(Debug, thiserror::Error)]
+#[error("corrupt ledger row: {0}")]
+pub struct Corrupt(pub &'static str);
