@@ -1,1 +1,164 @@
-fn main() {}
+//! The `idemgate` binary: parse the command line, load the config, run.
+
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+
+use anyhow::Context;
+use clap::{Parser, Subcommand};
+use idemgate::{Application, BuildOptions, Config};
+use secrecy::ExposeSecret;
+
+#[derive(Debug, Parser)]
+#[command(name = "idemgate", version, about = "A multi-tenant idempotency gateway")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, clap::Args)]
+struct ConfigArg {
+    /// The TOML config file (IDEMGATE_<SECTION>__<KEY> variables override it).
+    #[arg(long, env = "IDEMGATE_CONFIG", default_value = "idemgate.toml")]
+    config: PathBuf,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Serve requests (applies pending migrations first unless --no-migrate).
+    Serve {
+        #[command(flatten)]
+        config: ConfigArg,
+        /// Do not apply migrations at start-up.
+        #[arg(long)]
+        no_migrate: bool,
+    },
+    /// Apply pending database migrations and exit.
+    Migrate {
+        #[command(flatten)]
+        config: ConfigArg,
+    },
+    /// Validate a config file (and the auth keys it names); exit non-zero naming the problem.
+    CheckConfig {
+        #[command(flatten)]
+        config: ConfigArg,
+    },
+    /// Mint a development token with the config's hs256_secret.
+    Token {
+        #[command(flatten)]
+        config: ConfigArg,
+        /// The tenant to put in the token.
+        #[arg(long)]
+        tenant: String,
+        /// How long the token is valid.
+        #[arg(long, default_value = "1h")]
+        ttl: humantime::Duration,
+    },
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    init_logging();
+    let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("error: cannot start the runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match runtime.block_on(run(cli.command)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::from(2)
+        }
+    }
+}
+
+async fn run(command: Command) -> anyhow::Result<()> {
+    match command {
+        Command::Serve { config, no_migrate } => {
+            let config = load(&config.config)?;
+            let app = Application::build(config, BuildOptions { migrate: !no_migrate }).await?;
+            tracing::info!(addr = %app.local_addr(), "idemgate listening");
+            app.run_until_stopped(shutdown_signal()).await
+        }
+        Command::Migrate { config } => {
+            let config = load(&config.config)?;
+            let pool = idem_postgres::connect(
+                config.postgres.url.expose_secret(),
+                &idem_postgres::PoolSettings {
+                    max_connections: 1,
+                    acquire_timeout: config.postgres.acquire_timeout,
+                    statement_timeout: std::time::Duration::from_secs(600),
+                    application_name: "idemgate-migrate".into(),
+                },
+            )
+            .await
+            .context("connecting to postgres.url")?;
+            idem_postgres::migrate(&pool).await.context("applying migrations")?;
+            println!("migrations applied");
+            Ok(())
+        }
+        Command::CheckConfig { config: path } => {
+            let config = load(&path.config)?;
+            idem_auth::Authenticator::from_config(&config.auth)?;
+            println!(
+                "{}: OK ({} route(s): {})",
+                path.config.display(),
+                config.routes.routes().len(),
+                config
+                    .routes
+                    .routes()
+                    .iter()
+                    .map(|r| r.endpoint.as_str())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            );
+            Ok(())
+        }
+        Command::Token { config, tenant, ttl } => {
+            let config = load(&config.config)?;
+            let secret = config
+                .auth
+                .hs256_secret
+                .as_ref()
+                .context("auth.hs256_secret: `idemgate token` mints HS256 dev tokens and needs it set")?;
+            let token = idem_auth::mint_hs256(
+                secret,
+                &config.auth.tenant_claim,
+                &tenant,
+                ttl.into(),
+                config.auth.issuer.as_deref(),
+                config.auth.audience.as_deref(),
+            )?;
+            println!("{token}");
+            Ok(())
+        }
+    }
+}
+
+fn load(path: &Path) -> anyhow::Result<Config> {
+    Ok(Config::load(path)?)
+}
+
+/// Logs go to stderr: human-readable, or JSON with IDEMGATE_LOG_FORMAT=json. RUST_LOG
+/// filters (default `info`).
+fn init_logging() {
+    use tracing_subscriber::EnvFilter;
+    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    if std::env::var("IDEMGATE_LOG_FORMAT").is_ok_and(|f| f == "json") {
+        builder.json().init();
+    } else {
+        builder.init();
+    }
+}
+
+async fn shutdown_signal() {
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+        .expect("installing the SIGTERM handler");
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        _ = term.recv() => {}
+    }
+}

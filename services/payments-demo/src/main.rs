@@ -1,1 +1,214 @@
-fn main() {}
+//! `payments-demo`: a small but real upstream for idemgate (DESIGN §9).
+//!
+//! It deliberately does **no** deduplication of its own: every `POST` that reaches it
+//! inserts a row, so counting rows in `demo_payments` counts executions.
+//!
+//! - `POST /payments` `{"orderId": "…", "amountUah": 100}` → 201, one `demo_payments` row
+//! - `POST /refunds` `{"paymentId": "…", "amountUah": 50}` → 201, one `demo_refunds` row
+//! - `GET /payments/by-key/{key}`, `GET /refunds/by-key/{key}` → 200 with the same body, or 404
+//! - `X-Demo-Delay-Ms: N` sleeps after the insert committed; `X-Demo-Fail: 500` answers
+//!   500 without inserting.
+//!
+//! Environment: `PAYMENTS_DEMO_LISTEN` (default `127.0.0.1:9090`) and
+//! `PAYMENTS_DEMO_DATABASE_URL` (default `postgres://postgres@127.0.0.1:5432/payments_demo`).
+#![forbid(unsafe_code)]
+
+use std::time::Duration;
+
+use anyhow::Context;
+use axum::extract::{Path, State};
+use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use serde_json::{Value, json};
+use sqlx::{PgPool, Row};
+use uuid::Uuid;
+
+const SCHEMA: &[&str] = &[
+    "CREATE TABLE IF NOT EXISTS demo_payments (
+        id uuid PRIMARY KEY,
+        tenant_id text NOT NULL,
+        idempotency_key text,
+        order_id text NOT NULL,
+        amount_uah bigint NOT NULL,
+        created_at timestamptz NOT NULL DEFAULT clock_timestamp())",
+    "CREATE INDEX IF NOT EXISTS demo_payments_key_idx ON demo_payments (tenant_id, idempotency_key)",
+    "CREATE TABLE IF NOT EXISTS demo_refunds (
+        id uuid PRIMARY KEY,
+        tenant_id text NOT NULL,
+        idempotency_key text,
+        payment_id text NOT NULL,
+        amount_uah bigint NOT NULL,
+        created_at timestamptz NOT NULL DEFAULT clock_timestamp())",
+    "CREATE INDEX IF NOT EXISTS demo_refunds_key_idx ON demo_refunds (tenant_id, idempotency_key)",
+];
+
+/// The two kinds of operation the demo performs; they differ only in names.
+#[derive(Clone, Copy)]
+struct Kind {
+    table: &'static str,
+    id_field: &'static str,
+    ref_field: &'static str,
+    ref_column: &'static str,
+    path: &'static str,
+}
+
+const PAYMENT: Kind = Kind {
+    table: "demo_payments",
+    id_field: "paymentId",
+    ref_field: "orderId",
+    ref_column: "order_id",
+    path: "/payments",
+};
+const REFUND: Kind = Kind {
+    table: "demo_refunds",
+    id_field: "refundId",
+    ref_field: "paymentId",
+    ref_column: "payment_id",
+    path: "/refunds",
+};
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
+        )
+        .init();
+    let listen = std::env::var("PAYMENTS_DEMO_LISTEN").unwrap_or_else(|_| "127.0.0.1:9090".into());
+    let url = std::env::var("PAYMENTS_DEMO_DATABASE_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/payments_demo".into());
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(16)
+        .connect(&url)
+        .await
+        .with_context(|| format!("connecting to PAYMENTS_DEMO_DATABASE_URL={url}"))?;
+    create_schema(&pool).await.context("creating the demo tables")?;
+
+    let app = Router::new()
+        .route("/payments", post(|s, h, b| create(PAYMENT, s, h, b)))
+        .route("/refunds", post(|s, h, b| create(REFUND, s, h, b)))
+        .route("/payments/by-key/{key}", get(|s, h, k| by_key(PAYMENT, s, h, k)))
+        .route("/refunds/by-key/{key}", get(|s, h, k| by_key(REFUND, s, h, k)))
+        .route("/healthz", get(|| async { "ok" }))
+        .with_state(pool);
+    let listener = tokio::net::TcpListener::bind(&listen)
+        .await
+        .with_context(|| format!("binding PAYMENTS_DEMO_LISTEN={listen}"))?;
+    tracing::info!(addr = %listener.local_addr()?, "payments-demo listening");
+    axum::serve(listener, app)
+        .with_graceful_shutdown(async {
+            let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+                .expect("SIGTERM handler");
+            tokio::select! {
+                _ = tokio::signal::ctrl_c() => {}
+                _ = term.recv() => {}
+            }
+        })
+        .await?;
+    Ok(())
+}
+
+/// Creates the tables, serialised by an advisory lock so that several demos starting
+/// at once do not race on `CREATE TABLE IF NOT EXISTS`.
+async fn create_schema(pool: &PgPool) -> sqlx::Result<()> {
+    let mut tx = pool.begin().await?;
+    sqlx::query("SELECT pg_advisory_xact_lock(727272)").execute(&mut *tx).await?;
+    for statement in SCHEMA {
+        sqlx::query(sqlx::AssertSqlSafe(*statement)).execute(&mut *tx).await?;
+    }
+    tx.commit().await
+}
+
+fn problem(status: StatusCode, detail: &str) -> Response {
+    (status, Json(json!({"error": detail}))).into_response()
+}
+
+fn tenant(headers: &HeaderMap) -> Option<String> {
+    headers
+        .get("x-tenant-id")
+        .and_then(|v| v.to_str().ok())
+        .filter(|t| !t.is_empty())
+        .map(str::to_owned)
+}
+
+async fn create(kind: Kind, State(pool): State<PgPool>, headers: HeaderMap, body: axum::body::Bytes) -> Response {
+    let Some(tenant) = tenant(&headers) else {
+        return problem(StatusCode::BAD_REQUEST, "X-Tenant-Id is required");
+    };
+    if headers.get("x-demo-fail").is_some_and(|v| v == "500") {
+        return problem(StatusCode::INTERNAL_SERVER_ERROR, "injected failure (X-Demo-Fail)");
+    }
+    let Ok(input) = serde_json::from_slice::<Value>(&body) else {
+        return problem(StatusCode::BAD_REQUEST, "the body must be JSON");
+    };
+    let reference = input.get(kind.ref_field).and_then(Value::as_str).filter(|s| !s.is_empty());
+    let amount = input.get("amountUah").and_then(Value::as_i64).filter(|a| *a > 0);
+    let (Some(reference), Some(amount)) = (reference, amount) else {
+        let detail = format!("expected {{\"{}\": string, \"amountUah\": positive integer}}", kind.ref_field);
+        return problem(StatusCode::UNPROCESSABLE_ENTITY, &detail);
+    };
+    let key = headers.get("idempotency-key").and_then(|v| v.to_str().ok());
+    let id = Uuid::new_v4();
+    let sql = format!(
+        "INSERT INTO {} (id, tenant_id, idempotency_key, {}, amount_uah) VALUES ($1, $2, $3, $4, $5)",
+        kind.table, kind.ref_column
+    );
+    let inserted = sqlx::query(sqlx::AssertSqlSafe(sql))
+        .bind(id)
+        .bind(&tenant)
+        .bind(key)
+        .bind(reference)
+        .bind(amount)
+        .execute(&pool)
+        .await;
+    if let Err(e) = inserted {
+        tracing::error!(error = %e, "insert failed");
+        return problem(StatusCode::SERVICE_UNAVAILABLE, "database unavailable");
+    }
+    if let Some(ms) = headers
+        .get("x-demo-delay-ms")
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok())
+    {
+        tokio::time::sleep(Duration::from_millis(ms)).await;
+    }
+    let mut response = (StatusCode::CREATED, Json(body_of(kind, id, reference, amount))).into_response();
+    if let Ok(location) = HeaderValue::from_str(&format!("{}/{id}", kind.path)) {
+        response.headers_mut().insert(header::LOCATION, location);
+    }
+    response
+}
+
+fn body_of(kind: Kind, id: Uuid, reference: &str, amount: i64) -> Value {
+    let mut body = serde_json::Map::new();
+    body.insert(kind.id_field.into(), json!(id));
+    body.insert(kind.ref_field.into(), json!(reference));
+    body.insert("amountUah".into(), json!(amount));
+    Value::Object(body)
+}
+
+async fn by_key(kind: Kind, State(pool): State<PgPool>, headers: HeaderMap, Path(key): Path<String>) -> Response {
+    let Some(tenant) = tenant(&headers) else {
+        return problem(StatusCode::BAD_REQUEST, "X-Tenant-Id is required");
+    };
+    let sql = format!(
+        "SELECT id, {} AS reference, amount_uah FROM {} \
+         WHERE tenant_id = $1 AND idempotency_key = $2 ORDER BY created_at LIMIT 1",
+        kind.ref_column, kind.table
+    );
+    match sqlx::query(sqlx::AssertSqlSafe(sql)).bind(&tenant).bind(&key).fetch_optional(&pool).await {
+        Ok(Some(row)) => {
+            let id: Uuid = row.get("id");
+            let reference: String = row.get("reference");
+            let amount: i64 = row.get("amount_uah");
+            (StatusCode::OK, Json(body_of(kind, id, &reference, amount))).into_response()
+        }
+        Ok(None) => problem(StatusCode::NOT_FOUND, "no such operation"),
+        Err(e) => {
+            tracing::error!(error = %e, "lookup failed");
+            problem(StatusCode::SERVICE_UNAVAILABLE, "database unavailable")
+        }
+    }
+}

@@ -1,0 +1,526 @@
+//! Configuration: one TOML file plus `IDEMGATE_<SECTION>__<KEY>` environment overrides
+//! (DESIGN §4), parsed once at start-up into typed values.
+//!
+//! Every problem is reported as a [`ConfigError`] that names the key at fault, e.g.
+//! `routes[0].timeout: must be shorter than the lease (30s)`.
+//!
+//! | key | default | meaning |
+//! | --- | --- | --- |
+//! | `server.listen` | `127.0.0.1:8080` | address to serve on |
+//! | `server.max_body_bytes` | `1048576` | larger request bodies get 413 |
+//! | `server.shutdown_grace` | `10s` | how long in-flight requests may finish after SIGTERM |
+//! | `postgres.url` | (required) | the ledger's database |
+//! | `postgres.max_connections` | `16` | pool size |
+//! | `postgres.acquire_timeout` | `2s` | wait for a pooled connection |
+//! | `postgres.statement_timeout` | `5s` | server-side limit per statement |
+//! | `redis.url` | (none) | the fast path (used from the Redis issue on) |
+//! | `auth.*` | | see `idem_auth::AuthConfig` |
+//! | `idempotency.ttl` | `24h` | how long a completed key is replayed |
+//! | `idempotency.lease` | `30s` | protection of an in-progress claim |
+//! | `idempotency.on_in_progress` | `reject` | or `wait` |
+//! | `idempotency.wait_timeout` | `5s` | longest wait for a concurrent attempt |
+//! | `idempotency.mismatch_status` | `409` | or `422` |
+//! | `routes[]` | | see [`RawRoute`] |
+
+use std::net::SocketAddr;
+use std::path::Path;
+use std::time::Duration;
+
+use figment::Figment;
+use figment::providers::{Env, Format, Toml};
+use idem_auth::AuthConfig;
+use idem_core::policy::{self, OnInProgress, Policy, StatusSet};
+use secrecy::SecretString;
+use serde::Deserialize;
+
+use crate::routes::{PathTemplate, Route, RouteTable, Upstream};
+
+/// A configuration problem, naming the key at fault.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{key}: {message}")]
+pub struct ConfigError {
+    pub key: String,
+    pub message: String,
+}
+
+impl ConfigError {
+    fn new(key: impl Into<String>, message: impl Into<String>) -> Self {
+        Self {
+            key: key.into(),
+            message: message.into(),
+        }
+    }
+}
+
+/// A list of configuration problems (figment reports all it finds at once).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("invalid configuration:\n  {}", .0.iter().map(ToString::to_string).collect::<Vec<_>>().join("\n  "))]
+pub struct ConfigErrors(pub Vec<ConfigError>);
+
+impl From<ConfigError> for ConfigErrors {
+    fn from(e: ConfigError) -> Self {
+        Self(vec![e])
+    }
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawConfig {
+    #[serde(default)]
+    server: ServerConfig,
+    postgres: PostgresConfig,
+    redis: Option<RedisConfig>,
+    auth: AuthConfig,
+    #[serde(default)]
+    idempotency: RawIdempotency,
+    #[serde(default)]
+    routes: Vec<RawRoute>,
+}
+
+/// `[server]`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ServerConfig {
+    pub listen: SocketAddr,
+    pub max_body_bytes: usize,
+    #[serde(with = "humantime_serde")]
+    pub shutdown_grace: Duration,
+}
+
+impl Default for ServerConfig {
+    fn default() -> Self {
+        Self {
+            listen: SocketAddr::from(([127, 0, 0, 1], 8080)),
+            max_body_bytes: 1024 * 1024,
+            shutdown_grace: Duration::from_secs(10),
+        }
+    }
+}
+
+/// `[postgres]`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PostgresConfig {
+    pub url: SecretString,
+    #[serde(default = "default_max_connections")]
+    pub max_connections: u32,
+    #[serde(default = "default_acquire_timeout", with = "humantime_serde")]
+    pub acquire_timeout: Duration,
+    #[serde(default = "default_statement_timeout", with = "humantime_serde")]
+    pub statement_timeout: Duration,
+}
+
+fn default_max_connections() -> u32 {
+    16
+}
+fn default_acquire_timeout() -> Duration {
+    Duration::from_secs(2)
+}
+fn default_statement_timeout() -> Duration {
+    Duration::from_secs(5)
+}
+
+/// `[redis]`: accepted now, used by the Redis fast path.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RedisConfig {
+    pub url: SecretString,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+struct RawIdempotency {
+    #[serde(with = "humantime_serde")]
+    ttl: Duration,
+    #[serde(with = "humantime_serde")]
+    lease: Duration,
+    on_in_progress: String,
+    #[serde(with = "humantime_serde")]
+    wait_timeout: Duration,
+    mismatch_status: u16,
+}
+
+impl Default for RawIdempotency {
+    fn default() -> Self {
+        Self {
+            ttl: Duration::from_secs(24 * 3600),
+            lease: Duration::from_secs(30),
+            on_in_progress: "reject".into(),
+            wait_timeout: Duration::from_secs(5),
+            mismatch_status: 409,
+        }
+    }
+}
+
+/// One `[[routes]]` entry as written. Per-route idempotency keys override
+/// `[idempotency]`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawRoute {
+    method: String,
+    path: String,
+    upstream: String,
+    #[serde(default)]
+    idempotent: bool,
+    /// Upstream deadline; past it the outcome is unknown (504).
+    #[serde(default = "default_timeout", with = "humantime_serde")]
+    timeout: Duration,
+    #[serde(default, with = "humantime_serde")]
+    ttl: Option<Duration>,
+    #[serde(default, with = "humantime_serde")]
+    lease: Option<Duration>,
+    on_in_progress: Option<String>,
+    #[serde(default, with = "humantime_serde")]
+    wait_timeout: Option<Duration>,
+    mismatch_status: Option<u16>,
+    /// false: key-less requests pass unprotected (gradual roll-out).
+    #[serde(default = "yes")]
+    key_required: bool,
+    /// Upstream statuses after which the key is released; default 5xx, 408, 425, 429.
+    release_on: Option<Vec<String>>,
+    /// Store and replay `Set-Cookie`.
+    #[serde(default)]
+    store_set_cookie: bool,
+    /// `"GET /payments/by-key/{key}"`: the reconciler's status probe.
+    probe: Option<String>,
+    /// `"hold"` or `"release-after:10m"`: what the reconciler does without a probe.
+    on_unknown: Option<String>,
+}
+
+fn default_timeout() -> Duration {
+    Duration::from_secs(10)
+}
+fn yes() -> bool {
+    true
+}
+
+/// What the reconciler does with an unknown outcome on a route without a probe.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum OnUnknown {
+    Hold,
+    ReleaseAfter(Duration),
+}
+
+/// A status probe: `GET /payments/by-key/{key}`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Probe {
+    pub method: http::Method,
+    pub path: String,
+}
+
+/// The validated configuration.
+#[derive(Debug, Clone)]
+pub struct Config {
+    pub server: ServerConfig,
+    pub postgres: PostgresConfig,
+    pub redis: Option<RedisConfig>,
+    pub auth: AuthConfig,
+    pub routes: RouteTable,
+}
+
+impl Config {
+    /// Reads `path` and applies `IDEMGATE_…` environment overrides.
+    pub fn load(path: &Path) -> Result<Self, ConfigErrors> {
+        if !path.exists() {
+            return Err(ConfigError::new("--config", format!("{} does not exist", path.display())).into());
+        }
+        let env = Env::prefixed("IDEMGATE_")
+            .filter(|k| k.as_str().contains("__"))
+            .split("__");
+        Self::from_figment(Figment::from(Toml::file_exact(path)).merge(env))
+    }
+
+    /// Parses a TOML document, without environment overrides (for tests and tools).
+    pub fn from_toml(toml: &str) -> Result<Self, ConfigErrors> {
+        Self::from_figment(Figment::from(Toml::string(toml)))
+    }
+
+    fn from_figment(figment: Figment) -> Result<Self, ConfigErrors> {
+        let raw: RawConfig = figment.extract().map_err(|e| {
+            ConfigErrors(
+                e.into_iter()
+                    .map(|e| {
+                        let mut path = e.path.join(".");
+                        // An unknown field is already in the path; a missing one is not.
+                        if let figment::error::Kind::MissingField(field) = &e.kind {
+                            path = if path.is_empty() { field.to_string() } else { format!("{path}.{field}") };
+                        }
+                        ConfigError::new(if path.is_empty() { "(file)".into() } else { path }, e.kind.to_string())
+                    })
+                    .collect(),
+            )
+        })?;
+        raw.validate()
+    }
+}
+
+impl RawConfig {
+    fn validate(self) -> Result<Config, ConfigErrors> {
+        if self.server.max_body_bytes == 0 {
+            return Err(ConfigError::new("server.max_body_bytes", "must be greater than 0").into());
+        }
+        if self.postgres.max_connections == 0 {
+            return Err(ConfigError::new("postgres.max_connections", "must be greater than 0").into());
+        }
+        let defaults = self.idempotency.policy()?;
+        let mut routes = Vec::with_capacity(self.routes.len());
+        for (i, raw) in self.routes.into_iter().enumerate() {
+            let route = raw.validate(&format!("routes[{i}]"), &defaults)?;
+            if let Some(other) = routes
+                .iter()
+                .position(|r: &Route| r.method == route.method && r.template.same_shape(&route.template))
+            {
+                return Err(ConfigError::new(
+                    format!("routes[{i}]"),
+                    format!("{} overlaps routes[{other}]", route.endpoint),
+                )
+                .into());
+            }
+            routes.push(route);
+        }
+        Ok(Config {
+            server: self.server,
+            postgres: self.postgres,
+            redis: self.redis,
+            auth: self.auth,
+            routes: RouteTable::new(routes),
+        })
+    }
+}
+
+impl RawIdempotency {
+    fn policy(&self) -> Result<Policy, ConfigError> {
+        let on_in_progress = self
+            .on_in_progress
+            .parse::<OnInProgress>()
+            .map_err(|e| ConfigError::new("idempotency.on_in_progress", e))?;
+        let policy = Policy {
+            ttl: self.ttl,
+            lease: self.lease,
+            on_in_progress,
+            wait_timeout: self.wait_timeout,
+            mismatch_status: self.mismatch_status,
+            release_on: policy::default_release_statuses(),
+            store_set_cookie: false,
+        };
+        check_policy("idempotency", &policy)?;
+        Ok(policy)
+    }
+}
+
+fn check_policy(at: &str, p: &Policy) -> Result<(), ConfigError> {
+    if p.ttl.is_zero() {
+        return Err(ConfigError::new(format!("{at}.ttl"), "must be greater than 0"));
+    }
+    if p.lease.is_zero() {
+        return Err(ConfigError::new(format!("{at}.lease"), "must be greater than 0"));
+    }
+    if p.lease > p.ttl {
+        return Err(ConfigError::new(
+            format!("{at}.lease"),
+            format!("must not be longer than the ttl ({})", humantime::format_duration(p.ttl)),
+        ));
+    }
+    if !matches!(p.mismatch_status, 409 | 422) {
+        return Err(ConfigError::new(format!("{at}.mismatch_status"), "must be 409 or 422"));
+    }
+    Ok(())
+}
+
+impl RawRoute {
+    fn validate(self, at: &str, defaults: &Policy) -> Result<Route, ConfigError> {
+        let method = http::Method::from_bytes(self.method.as_bytes())
+            .ok()
+            .filter(|m| m.as_str().bytes().all(|b| b.is_ascii_uppercase()))
+            .ok_or_else(|| ConfigError::new(format!("{at}.method"), "must be an upper-case HTTP method like \"POST\""))?;
+        let template =
+            PathTemplate::parse(&self.path).map_err(|e| ConfigError::new(format!("{at}.path"), e))?;
+        let upstream =
+            Upstream::parse(&self.upstream).map_err(|e| ConfigError::new(format!("{at}.upstream"), e))?;
+        if self.timeout.is_zero() {
+            return Err(ConfigError::new(format!("{at}.timeout"), "must be greater than 0"));
+        }
+        let on_in_progress = match &self.on_in_progress {
+            Some(s) => s
+                .parse::<OnInProgress>()
+                .map_err(|e| ConfigError::new(format!("{at}.on_in_progress"), e))?,
+            None => defaults.on_in_progress,
+        };
+        let release_on = match &self.release_on {
+            Some(entries) => StatusSet::from_entries(
+                entries
+                    .iter()
+                    .map(|e| StatusSet::parse_entry(e))
+                    .collect::<Result<Vec<_>, _>>()
+                    .map_err(|e| ConfigError::new(format!("{at}.release_on"), e))?,
+            ),
+            None => defaults.release_on.clone(),
+        };
+        let policy = Policy {
+            ttl: self.ttl.unwrap_or(defaults.ttl),
+            lease: self.lease.unwrap_or(defaults.lease),
+            on_in_progress,
+            wait_timeout: self.wait_timeout.unwrap_or(defaults.wait_timeout),
+            mismatch_status: self.mismatch_status.unwrap_or(defaults.mismatch_status),
+            release_on,
+            store_set_cookie: self.store_set_cookie,
+        };
+        check_policy(at, &policy)?;
+        if self.idempotent && self.timeout >= policy.lease {
+            return Err(ConfigError::new(
+                format!("{at}.timeout"),
+                format!(
+                    "must be shorter than the lease ({}), or the reconciler could act while the first attempt is still in flight",
+                    humantime::format_duration(policy.lease)
+                ),
+            ));
+        }
+        let probe = self
+            .probe
+            .as_deref()
+            .map(parse_probe)
+            .transpose()
+            .map_err(|e| ConfigError::new(format!("{at}.probe"), e))?;
+        let on_unknown = match self.on_unknown.as_deref() {
+            None | Some("hold") => OnUnknown::Hold,
+            Some(other) => match other.strip_prefix("release-after:") {
+                Some(d) => OnUnknown::ReleaseAfter(
+                    humantime::parse_duration(d.trim())
+                        .map_err(|e| ConfigError::new(format!("{at}.on_unknown"), format!("bad duration {d:?}: {e}")))?,
+                ),
+                None => {
+                    return Err(ConfigError::new(
+                        format!("{at}.on_unknown"),
+                        format!("expected \"hold\" or \"release-after:DURATION\", found {other:?}"),
+                    ));
+                }
+            },
+        };
+        let endpoint = format!("{} {}", method, template.as_str());
+        Ok(Route {
+            endpoint,
+            method,
+            template,
+            upstream,
+            idempotent: self.idempotent,
+            key_required: self.key_required,
+            timeout: self.timeout,
+            policy,
+            probe,
+            on_unknown,
+        })
+    }
+}
+
+fn parse_probe(s: &str) -> Result<Probe, String> {
+    let bad = || format!("expected \"METHOD /path/{{key}}\", found {s:?}");
+    let (method, path) = s.split_once(' ').ok_or_else(bad)?;
+    let method = http::Method::from_bytes(method.as_bytes()).map_err(|_| bad())?;
+    if !path.starts_with('/') || !path.contains("{key}") {
+        return Err(bad());
+    }
+    Ok(Probe {
+        method,
+        path: path.to_owned(),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const BASE: &str = r#"
+        [postgres]
+        url = "postgres://postgres@127.0.0.1:5432/idemgate"
+        [auth]
+        hs256_secret = "dev-secret-123"
+    "#;
+
+    fn with(extra: &str) -> Result<Config, ConfigErrors> {
+        Config::from_toml(&format!("{BASE}\n{extra}"))
+    }
+
+    fn error_key(extra: &str) -> String {
+        let errors = with(extra).expect_err("should be rejected");
+        errors.0[0].key.clone()
+    }
+
+    const ROUTE: &str = r#"
+        [[routes]]
+        method = "POST"
+        path = "/payments"
+        upstream = "http://127.0.0.1:9090"
+        idempotent = true
+    "#;
+
+    #[test]
+    fn the_design_example_parses_with_defaults() {
+        let config = with(ROUTE).unwrap();
+        assert_eq!(config.server.listen.to_string(), "127.0.0.1:8080");
+        assert_eq!(config.server.max_body_bytes, 1024 * 1024);
+        let route = &config.routes.routes()[0];
+        assert_eq!(route.endpoint, "POST /payments");
+        assert_eq!(route.policy.ttl, Duration::from_secs(86_400));
+        assert_eq!(route.policy.lease, Duration::from_secs(30));
+        assert_eq!(route.timeout, Duration::from_secs(10));
+        assert!(route.key_required);
+        assert_eq!(route.on_unknown, OnUnknown::Hold);
+    }
+
+    #[test]
+    fn unknown_keys_are_named() {
+        assert_eq!(error_key("[server]\nlisten_on = \"x\""), "server.listen_on");
+        assert_eq!(error_key("[extra]\na = 1"), "extra");
+        assert_eq!(error_key(&format!("{ROUTE}\nretries = 3")), "routes.0.retries");
+    }
+
+    #[test]
+    fn bad_durations_and_values_are_named() {
+        assert_eq!(error_key("[idempotency]\nttl = \"forever\""), "idempotency.ttl");
+        assert_eq!(error_key("[idempotency]\non_in_progress = \"later\""), "idempotency.on_in_progress");
+        assert_eq!(error_key("[idempotency]\nmismatch_status = 400"), "idempotency.mismatch_status");
+        assert_eq!(error_key("[server]\nlisten = \"nowhere\""), "server.listen");
+        assert_eq!(error_key(&format!("{ROUTE}\ntimeout = \"10 parsecs\"")), "routes.0.timeout");
+    }
+
+    #[test]
+    fn route_timeout_must_be_shorter_than_the_lease() {
+        let errors = with(&format!("{ROUTE}\ntimeout = \"30s\"")).unwrap_err();
+        assert_eq!(errors.0[0].key, "routes[0].timeout");
+        assert!(errors.0[0].message.contains("lease"), "{errors}");
+        // A per-route lease can make room for a longer timeout.
+        assert!(with(&format!("{ROUTE}\ntimeout = \"30s\"\nlease = \"1m\"")).is_ok());
+    }
+
+    #[test]
+    fn route_fields_are_validated() {
+        assert_eq!(error_key(&ROUTE.replace("POST", "post")), "routes[0].method");
+        assert_eq!(error_key(&ROUTE.replace("/payments", "payments")), "routes[0].path");
+        assert_eq!(error_key(&ROUTE.replace("http://127.0.0.1:9090", "https://x")), "routes[0].upstream");
+        assert_eq!(error_key(&format!("{ROUTE}\nprobe = \"GET /payments\"")), "routes[0].probe");
+        assert_eq!(error_key(&format!("{ROUTE}\non_unknown = \"release\"")), "routes[0].on_unknown");
+        assert_eq!(error_key(&format!("{ROUTE}\non_unknown = \"release-after:soon\"")), "routes[0].on_unknown");
+        assert_eq!(error_key(&format!("{ROUTE}\nrelease_on = [\"6xx\"]")), "routes[0].release_on");
+        assert_eq!(error_key(&format!("{ROUTE}{ROUTE}")), "routes[1]");
+    }
+
+    #[test]
+    fn per_route_settings_override_defaults() {
+        let config = with(&format!(
+            "[idempotency]\nttl = \"1h\"\n{ROUTE}\nttl = \"10m\"\nmismatch_status = 422\non_unknown = \"release-after:10m\"\nprobe = \"GET /payments/by-key/{{key}}\"\nrelease_on = [\"5xx\"]"
+        ))
+        .unwrap();
+        let route = &config.routes.routes()[0];
+        assert_eq!(route.policy.ttl, Duration::from_secs(600));
+        assert_eq!(route.policy.mismatch_status, 422);
+        assert_eq!(route.on_unknown, OnUnknown::ReleaseAfter(Duration::from_secs(600)));
+        assert_eq!(route.probe.as_ref().unwrap().path, "/payments/by-key/{key}");
+        assert!(route.policy.keeps(429));
+    }
+
+    #[test]
+    fn missing_sections_are_named() {
+        let errors = Config::from_toml("[auth]\nhs256_secret = \"x\"").unwrap_err();
+        assert!(errors.0.iter().any(|e| e.key == "postgres"), "{errors}");
+    }
+}

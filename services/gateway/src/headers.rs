@@ -1,0 +1,148 @@
+//! Header handling at the proxy boundary: hop-by-hop stripping both ways, the headers
+//! idemgate sets upstream, and the conversion to and from stored responses.
+
+use bytes::Bytes;
+use http::header::{self, HeaderMap, HeaderName, HeaderValue};
+use idem_core::{IdempotencyKey, StoredResponse, headers as core_headers};
+
+pub const IDEMPOTENCY_KEY: HeaderName = HeaderName::from_static("idempotency-key");
+pub const X_TENANT_ID: HeaderName = HeaderName::from_static("x-tenant-id");
+pub const IDEMPOTENT_REPLAYED: HeaderName = HeaderName::from_static("idempotent-replayed");
+pub const PREFERENCE_APPLIED: HeaderName = HeaderName::from_static("preference-applied");
+pub const TRACEPARENT: HeaderName = HeaderName::from_static("traceparent");
+
+/// Removes hop-by-hop headers: the fixed list and every header named in `Connection`.
+pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
+    let named: Vec<HeaderName> = headers
+        .get_all(header::CONNECTION)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .filter_map(|token| HeaderName::from_bytes(token.trim().as_bytes()).ok())
+        .collect();
+    for name in named {
+        headers.remove(name);
+    }
+    for name in core_headers::HOP_BY_HOP {
+        headers.remove(name);
+    }
+}
+
+/// The headers sent upstream: the client's end-to-end headers, minus those idemgate
+/// owns, plus the tenant from the token and the key exactly as scoped.
+pub fn upstream_request_headers(
+    client: &HeaderMap,
+    tenant: &str,
+    key: Option<&IdempotencyKey>,
+) -> HeaderMap {
+    let mut headers = client.clone();
+    strip_hop_by_hop(&mut headers);
+    // Host is set from the upstream URI; Content-Length from the body we send.
+    headers.remove(header::HOST);
+    headers.remove(header::CONTENT_LENGTH);
+    headers.remove(X_TENANT_ID);
+    headers.remove(IDEMPOTENCY_KEY);
+    if let Ok(tenant) = HeaderValue::from_str(tenant) {
+        headers.insert(X_TENANT_ID, tenant);
+    }
+    if let Some(key) = key.and_then(|k| HeaderValue::from_str(k.as_str()).ok()) {
+        headers.insert(IDEMPOTENCY_KEY, key);
+    }
+    headers
+}
+
+/// The upstream's response headers as the first client gets them.
+pub fn passthrough_response_headers(mut headers: HeaderMap) -> HeaderMap {
+    strip_hop_by_hop(&mut headers);
+    headers.remove(header::CONTENT_LENGTH);
+    headers
+}
+
+/// The response as it is stored for replays.
+pub fn to_stored(status: u16, headers: &HeaderMap, body: Bytes, store_set_cookie: bool) -> StoredResponse {
+    let headers = headers
+        .iter()
+        .filter(|(name, _)| core_headers::is_replayable(name.as_str(), store_set_cookie))
+        .map(|(name, value)| (name.as_str().to_owned(), value.as_bytes().to_vec()))
+        .collect();
+    StoredResponse { status, headers, body }
+}
+
+/// Rebuilds stored headers for a replay (invalid stored entries are skipped).
+pub fn from_stored(stored: &[(String, Vec<u8>)]) -> HeaderMap {
+    let mut headers = HeaderMap::with_capacity(stored.len() + 2);
+    for (name, value) in stored {
+        if let (Ok(name), Ok(value)) = (HeaderName::from_bytes(name.as_bytes()), HeaderValue::from_bytes(value)) {
+            headers.append(name, value);
+        }
+    }
+    headers
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn map(pairs: &[(&str, &str)]) -> HeaderMap {
+        let mut h = HeaderMap::new();
+        for (k, v) in pairs {
+            h.append(HeaderName::from_bytes(k.as_bytes()).unwrap(), HeaderValue::from_str(v).unwrap());
+        }
+        h
+    }
+
+    #[test]
+    fn strips_fixed_and_connection_named_headers() {
+        let mut h = map(&[
+            ("connection", "close, x-secret-hop"),
+            ("x-secret-hop", "1"),
+            ("keep-alive", "timeout=5"),
+            ("transfer-encoding", "chunked"),
+            ("upgrade", "h2c"),
+            ("content-type", "application/json"),
+        ]);
+        strip_hop_by_hop(&mut h);
+        assert_eq!(h, map(&[("content-type", "application/json")]));
+    }
+
+    #[test]
+    fn tenant_and_key_are_ours_not_the_clients() {
+        let client = map(&[
+            ("x-tenant-id", "evil"),
+            ("idempotency-key", "\"quoted\""),
+            ("host", "gateway:8080"),
+            ("content-length", "10"),
+            ("authorization", "Bearer t"),
+        ]);
+        let key = IdempotencyKey::parse(b"\"quoted\"").unwrap();
+        let h = upstream_request_headers(&client, "acme", Some(&key));
+        assert_eq!(h.get_all("x-tenant-id").iter().collect::<Vec<_>>(), ["acme"]);
+        assert_eq!(h["idempotency-key"], "quoted");
+        assert!(h.get("host").is_none() && h.get("content-length").is_none());
+        assert_eq!(h["authorization"], "Bearer t");
+    }
+
+    #[test]
+    fn stored_headers_drop_date_length_and_cookies() {
+        let h = map(&[
+            ("date", "Mon, 01 Jan 2024 00:00:00 GMT"),
+            ("content-length", "3"),
+            ("set-cookie", "s=1"),
+            ("location", "/payments/1"),
+            ("x-multi", "a"),
+            ("x-multi", "b"),
+        ]);
+        let stored = to_stored(201, &h, Bytes::from_static(b"abc"), false);
+        assert_eq!(
+            stored.headers,
+            vec![
+                ("location".to_owned(), b"/payments/1".to_vec()),
+                ("x-multi".to_owned(), b"a".to_vec()),
+                ("x-multi".to_owned(), b"b".to_vec()),
+            ]
+        );
+        assert_eq!(from_stored(&stored.headers).get_all("x-multi").iter().count(), 2);
+        let with_cookie = to_stored(201, &h, Bytes::new(), true);
+        assert!(with_cookie.headers.iter().any(|(n, _)| n == "set-cookie"));
+    }
+}

@@ -1,0 +1,159 @@
+//! Every error response idemgate writes itself: `application/problem+json` (RFC 9457)
+//! with a stable `type` URI. Bodies never echo the stored request, response or
+//! fingerprint, so a stolen key is not a read oracle.
+
+use std::time::Duration;
+
+use axum::response::{IntoResponse, Response};
+use http::{HeaderValue, StatusCode, header};
+use idem_auth::AuthError;
+use serde_json::json;
+
+/// The base of every problem `type` URI.
+pub const TYPE_BASE: &str = "https://idemgate.dev/problems/";
+
+/// A client-visible failure. Mapping to HTTP happens here and only here.
+#[derive(Debug)]
+pub enum Problem {
+    KeyMissing,
+    KeyInvalid(String),
+    KeyReused { status: u16 },
+    InProgress { retry_after: Duration },
+    Unauthorized(AuthError),
+    PayloadTooLarge { limit: usize },
+    RequestInvalid(String),
+    RouteNotFound,
+    UpstreamUnavailable,
+    UpstreamTimeout,
+    /// The ledger could not be reached; nothing was executed.
+    LedgerUnavailable,
+    /// The upstream answered but its result could not be recorded.
+    OutcomeUnrecorded,
+    Internal,
+}
+
+impl Problem {
+    fn parts(&self) -> (StatusCode, &'static str, &'static str, String) {
+        use Problem::*;
+        match self {
+            KeyMissing => (
+                StatusCode::BAD_REQUEST,
+                "idempotency-key-missing",
+                "Idempotency-Key required",
+                "This route is idempotent: send an Idempotency-Key header, one unique value per logical operation.".into(),
+            ),
+            KeyInvalid(why) => (
+                StatusCode::BAD_REQUEST,
+                "idempotency-key-invalid",
+                "Idempotency-Key invalid",
+                why.clone(),
+            ),
+            KeyReused { status } => (
+                StatusCode::from_u16(*status).unwrap_or(StatusCode::CONFLICT),
+                "idempotency-key-reused",
+                "Idempotency-Key reused with a different request",
+                "This key was already used for a request with a different method, path or body. Use a new key for a new operation.".into(),
+            ),
+            InProgress { .. } => (
+                StatusCode::CONFLICT,
+                "idempotency-key-in-progress",
+                "Request with this Idempotency-Key is in progress",
+                "An earlier request with this key has not finished yet. Retry after the interval in Retry-After; the result will be replayed.".into(),
+            ),
+            Unauthorized(why) => (
+                StatusCode::UNAUTHORIZED,
+                "unauthorized",
+                "Unauthorized",
+                why.to_string(),
+            ),
+            PayloadTooLarge { limit } => (
+                StatusCode::PAYLOAD_TOO_LARGE,
+                "payload-too-large",
+                "Payload too large",
+                format!("The request body exceeds the limit of {limit} bytes."),
+            ),
+            RequestInvalid(why) => (
+                StatusCode::BAD_REQUEST,
+                "request-invalid",
+                "Request invalid",
+                why.clone(),
+            ),
+            RouteNotFound => (
+                StatusCode::NOT_FOUND,
+                "route-not-found",
+                "Route not found",
+                "No route is configured for this method and path.".into(),
+            ),
+            UpstreamUnavailable => (
+                StatusCode::BAD_GATEWAY,
+                "upstream-unavailable",
+                "Upstream unavailable",
+                "The upstream could not be reached; the request was not executed and the key was released. It is safe to retry.".into(),
+            ),
+            UpstreamTimeout => (
+                StatusCode::GATEWAY_TIMEOUT,
+                "upstream-timeout",
+                "Upstream outcome unknown",
+                "The upstream did not answer in time; it may or may not have acted. The key is held until the outcome is known: retry with the same key later to get the result.".into(),
+            ),
+            LedgerUnavailable => (
+                StatusCode::SERVICE_UNAVAILABLE,
+                "service-unavailable",
+                "Service unavailable",
+                "The idempotency ledger is unavailable; nothing was executed. Retry with the same key.".into(),
+            ),
+            OutcomeUnrecorded => (
+                StatusCode::SERVICE_UNAVAILABLE,
+                "service-unavailable",
+                "Outcome not recorded",
+                "The upstream answered but its result could not be recorded yet; the key is held until it is. Retry with the same key later to get the result.".into(),
+            ),
+            Internal => (
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "internal",
+                "Internal error",
+                "An internal error occurred.".into(),
+            ),
+        }
+    }
+}
+
+impl IntoResponse for Problem {
+    fn into_response(self) -> Response {
+        let (status, slug, title, detail) = self.parts();
+        let body = json!({
+            "type": format!("{TYPE_BASE}{slug}"),
+            "title": title,
+            "status": status.as_u16(),
+            "detail": detail,
+        });
+        let mut response = (status, body.to_string()).into_response();
+        let headers = response.headers_mut();
+        headers.insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/problem+json"),
+        );
+        match &self {
+            Problem::InProgress { retry_after } => {
+                headers.insert(header::RETRY_AFTER, HeaderValue::from(retry_after.as_secs().max(1)));
+            }
+            Problem::LedgerUnavailable | Problem::OutcomeUnrecorded => {
+                headers.insert(header::RETRY_AFTER, HeaderValue::from(1));
+            }
+            Problem::Unauthorized(why) => {
+                let challenge = match why {
+                    AuthError::Missing => "Bearer realm=\"idemgate\"".to_owned(),
+                    other => format!(
+                        "Bearer realm=\"idemgate\", error=\"invalid_token\", error_description=\"{}\"",
+                        other.to_string().replace('"', "'")
+                    ),
+                };
+                if let Ok(value) = HeaderValue::from_str(&challenge) {
+                    headers.insert(header::WWW_AUTHENTICATE, value);
+                }
+            }
+            _ => {}
+        }
+        response
+    }
+}
