@@ -98,7 +98,7 @@ struct PinnedKey {
 }
 
 enum KeySet {
-    One(PinnedKey),
+    One(Box<PinnedKey>),
     ByKid(Vec<(String, PinnedKey)>),
 }
 
@@ -138,16 +138,16 @@ impl Authenticator {
         }
         let pin = |alg: Algorithm| validation(alg, config);
         let keys = if let Some(secret) = &config.hs256_secret {
-            KeySet::One(PinnedKey {
+            KeySet::One(Box::new(PinnedKey {
                 key: keys::hs256(secret.expose_secret())?,
                 validation: pin(Algorithm::HS256),
-            })
+            }))
         } else if let Some(path) = &config.public_key_pem_file {
             let (key, alg) = keys::pem_file(path)?;
-            KeySet::One(PinnedKey {
+            KeySet::One(Box::new(PinnedKey {
                 key,
                 validation: pin(alg),
-            })
+            }))
         } else if let Some(path) = &config.jwks_file {
             let set = keys::jwks_file(path)?
                 .into_iter()

@@ -61,11 +61,14 @@ impl Default for BuildOptions {
 impl Application {
     pub async fn build(config: Config, options: BuildOptions) -> anyhow::Result<Self> {
         let auth = Authenticator::from_config(&config.auth)?;
-        let pool = idem_postgres::connect(config.postgres.url.expose_secret(), &pool_settings(&config))
-            .await
-            .context("connecting to postgres.url")?;
+        let pool =
+            idem_postgres::connect(config.postgres.url.expose_secret(), &pool_settings(&config))
+                .await
+                .context("connecting to postgres.url")?;
         if options.migrate {
-            idem_postgres::migrate(&pool).await.context("applying migrations")?;
+            idem_postgres::migrate(&pool)
+                .await
+                .context("applying migrations")?;
         }
         if config.redis.is_some() {
             tracing::warn!("[redis] is configured but this version serves from Postgres alone");
@@ -91,12 +94,17 @@ impl Application {
     }
 
     pub fn local_addr(&self) -> SocketAddr {
-        self.listener.local_addr().expect("a bound listener has an address")
+        self.listener
+            .local_addr()
+            .expect("a bound listener has an address")
     }
 
     /// Serves until `shutdown` resolves; then stops accepting, lets in-flight requests
     /// and their forward-and-store tasks finish for up to the grace period, and returns.
-    pub async fn run_until_stopped(self, shutdown: impl Future<Output = ()> + Send + 'static) -> anyhow::Result<()> {
+    pub async fn run_until_stopped(
+        self,
+        shutdown: impl Future<Output = ()> + Send + 'static,
+    ) -> anyhow::Result<()> {
         let router = router(self.state.clone());
         let (stopping_tx, stopping_rx) = tokio::sync::oneshot::channel::<()>();
         let server = axum::serve(self.listener, router).with_graceful_shutdown(async move {
@@ -146,15 +154,26 @@ pub fn router(state: Arc<AppState>) -> Router {
 
 async fn readyz(State(app): State<Arc<AppState>>) -> Response {
     let pool = app.engine.ledger().pool();
-    let postgres = tokio::time::timeout(Duration::from_secs(2), sqlx::query("SELECT 1").execute(pool))
-        .await
-        .is_ok_and(|r| r.is_ok());
-    let redis = if app.redis_configured { "unused" } else { "not configured" };
+    let postgres = tokio::time::timeout(
+        Duration::from_secs(2),
+        sqlx::query("SELECT 1").execute(pool),
+    )
+    .await
+    .is_ok_and(|r| r.is_ok());
+    let redis = if app.redis_configured {
+        "unused"
+    } else {
+        "not configured"
+    };
     let body = json!({
         "status": if postgres { "ready" } else { "not ready" },
         "postgres": if postgres { "up" } else { "down" },
         "redis": redis,
     });
-    let status = if postgres { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
+    let status = if postgres {
+        StatusCode::OK
+    } else {
+        StatusCode::SERVICE_UNAVAILABLE
+    };
     (status, axum::Json(body)).into_response()
 }

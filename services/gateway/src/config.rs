@@ -222,7 +222,9 @@ impl Config {
     /// Reads `path` and applies `IDEMGATE_…` environment overrides.
     pub fn load(path: &Path) -> Result<Self, ConfigErrors> {
         if !path.exists() {
-            return Err(ConfigError::new("--config", format!("{} does not exist", path.display())).into());
+            return Err(
+                ConfigError::new("--config", format!("{} does not exist", path.display())).into(),
+            );
         }
         let env = Env::prefixed("IDEMGATE_")
             .filter(|k| k.as_str().contains("__"))
@@ -240,12 +242,19 @@ impl Config {
             ConfigErrors(
                 e.into_iter()
                     .map(|e| {
-                        let mut path = e.path.join(".");
+                        let mut path = key_path(&e.path);
                         // An unknown field is already in the path; a missing one is not.
                         if let figment::error::Kind::MissingField(field) = &e.kind {
-                            path = if path.is_empty() { field.to_string() } else { format!("{path}.{field}") };
+                            path = key_path(&[path, field.to_string()]);
                         }
-                        ConfigError::new(if path.is_empty() { "(file)".into() } else { path }, e.kind.to_string())
+                        ConfigError::new(
+                            if path.is_empty() {
+                                "(file)".into()
+                            } else {
+                                path
+                            },
+                            e.kind.to_string(),
+                        )
                     })
                     .collect(),
             )
@@ -254,22 +263,39 @@ impl Config {
     }
 }
 
+/// `["routes", "0", "timeout"]` → `routes[0].timeout`, the form validation errors use.
+fn key_path(segments: &[String]) -> String {
+    let mut path = String::new();
+    for segment in segments.iter().filter(|s| !s.is_empty()) {
+        if segment.parse::<usize>().is_ok() {
+            path.push_str(&format!("[{segment}]"));
+        } else {
+            if !path.is_empty() {
+                path.push('.');
+            }
+            path.push_str(segment);
+        }
+    }
+    path
+}
+
 impl RawConfig {
     fn validate(self) -> Result<Config, ConfigErrors> {
         if self.server.max_body_bytes == 0 {
             return Err(ConfigError::new("server.max_body_bytes", "must be greater than 0").into());
         }
         if self.postgres.max_connections == 0 {
-            return Err(ConfigError::new("postgres.max_connections", "must be greater than 0").into());
+            return Err(
+                ConfigError::new("postgres.max_connections", "must be greater than 0").into(),
+            );
         }
         let defaults = self.idempotency.policy()?;
         let mut routes = Vec::with_capacity(self.routes.len());
         for (i, raw) in self.routes.into_iter().enumerate() {
             let route = raw.validate(&format!("routes[{i}]"), &defaults)?;
-            if let Some(other) = routes
-                .iter()
-                .position(|r: &Route| r.method == route.method && r.template.same_shape(&route.template))
-            {
+            if let Some(other) = routes.iter().position(|r: &Route| {
+                r.method == route.method && r.template.same_shape(&route.template)
+            }) {
                 return Err(ConfigError::new(
                     format!("routes[{i}]"),
                     format!("{} overlaps routes[{other}]", route.endpoint),
@@ -310,19 +336,31 @@ impl RawIdempotency {
 
 fn check_policy(at: &str, p: &Policy) -> Result<(), ConfigError> {
     if p.ttl.is_zero() {
-        return Err(ConfigError::new(format!("{at}.ttl"), "must be greater than 0"));
+        return Err(ConfigError::new(
+            format!("{at}.ttl"),
+            "must be greater than 0",
+        ));
     }
     if p.lease.is_zero() {
-        return Err(ConfigError::new(format!("{at}.lease"), "must be greater than 0"));
+        return Err(ConfigError::new(
+            format!("{at}.lease"),
+            "must be greater than 0",
+        ));
     }
     if p.lease > p.ttl {
         return Err(ConfigError::new(
             format!("{at}.lease"),
-            format!("must not be longer than the ttl ({})", humantime::format_duration(p.ttl)),
+            format!(
+                "must not be longer than the ttl ({})",
+                humantime::format_duration(p.ttl)
+            ),
         ));
     }
     if !matches!(p.mismatch_status, 409 | 422) {
-        return Err(ConfigError::new(format!("{at}.mismatch_status"), "must be 409 or 422"));
+        return Err(ConfigError::new(
+            format!("{at}.mismatch_status"),
+            "must be 409 or 422",
+        ));
     }
     Ok(())
 }
@@ -332,13 +370,21 @@ impl RawRoute {
         let method = http::Method::from_bytes(self.method.as_bytes())
             .ok()
             .filter(|m| m.as_str().bytes().all(|b| b.is_ascii_uppercase()))
-            .ok_or_else(|| ConfigError::new(format!("{at}.method"), "must be an upper-case HTTP method like \"POST\""))?;
-        let template =
-            PathTemplate::parse(&self.path).map_err(|e| ConfigError::new(format!("{at}.path"), e))?;
-        let upstream =
-            Upstream::parse(&self.upstream).map_err(|e| ConfigError::new(format!("{at}.upstream"), e))?;
+            .ok_or_else(|| {
+                ConfigError::new(
+                    format!("{at}.method"),
+                    "must be an upper-case HTTP method like \"POST\"",
+                )
+            })?;
+        let template = PathTemplate::parse(&self.path)
+            .map_err(|e| ConfigError::new(format!("{at}.path"), e))?;
+        let upstream = Upstream::parse(&self.upstream)
+            .map_err(|e| ConfigError::new(format!("{at}.upstream"), e))?;
         if self.timeout.is_zero() {
-            return Err(ConfigError::new(format!("{at}.timeout"), "must be greater than 0"));
+            return Err(ConfigError::new(
+                format!("{at}.timeout"),
+                "must be greater than 0",
+            ));
         }
         let on_in_progress = match &self.on_in_progress {
             Some(s) => s
@@ -384,10 +430,14 @@ impl RawRoute {
         let on_unknown = match self.on_unknown.as_deref() {
             None | Some("hold") => OnUnknown::Hold,
             Some(other) => match other.strip_prefix("release-after:") {
-                Some(d) => OnUnknown::ReleaseAfter(
-                    humantime::parse_duration(d.trim())
-                        .map_err(|e| ConfigError::new(format!("{at}.on_unknown"), format!("bad duration {d:?}: {e}")))?,
-                ),
+                Some(d) => {
+                    OnUnknown::ReleaseAfter(humantime::parse_duration(d.trim()).map_err(|e| {
+                        ConfigError::new(
+                            format!("{at}.on_unknown"),
+                            format!("bad duration {d:?}: {e}"),
+                        )
+                    })?)
+                }
                 None => {
                     return Err(ConfigError::new(
                         format!("{at}.on_unknown"),
@@ -471,16 +521,31 @@ mod tests {
     fn unknown_keys_are_named() {
         assert_eq!(error_key("[server]\nlisten_on = \"x\""), "server.listen_on");
         assert_eq!(error_key("[extra]\na = 1"), "extra");
-        assert_eq!(error_key(&format!("{ROUTE}\nretries = 3")), "routes.0.retries");
+        assert_eq!(
+            error_key(&format!("{ROUTE}\nretries = 3")),
+            "routes[0].retries"
+        );
     }
 
     #[test]
     fn bad_durations_and_values_are_named() {
-        assert_eq!(error_key("[idempotency]\nttl = \"forever\""), "idempotency.ttl");
-        assert_eq!(error_key("[idempotency]\non_in_progress = \"later\""), "idempotency.on_in_progress");
-        assert_eq!(error_key("[idempotency]\nmismatch_status = 400"), "idempotency.mismatch_status");
+        assert_eq!(
+            error_key("[idempotency]\nttl = \"forever\""),
+            "idempotency.ttl"
+        );
+        assert_eq!(
+            error_key("[idempotency]\non_in_progress = \"later\""),
+            "idempotency.on_in_progress"
+        );
+        assert_eq!(
+            error_key("[idempotency]\nmismatch_status = 400"),
+            "idempotency.mismatch_status"
+        );
         assert_eq!(error_key("[server]\nlisten = \"nowhere\""), "server.listen");
-        assert_eq!(error_key(&format!("{ROUTE}\ntimeout = \"10 parsecs\"")), "routes.0.timeout");
+        assert_eq!(
+            error_key(&format!("{ROUTE}\ntimeout = \"10 parsecs\"")),
+            "routes[0].timeout"
+        );
     }
 
     #[test]
@@ -494,13 +559,34 @@ mod tests {
 
     #[test]
     fn route_fields_are_validated() {
-        assert_eq!(error_key(&ROUTE.replace("POST", "post")), "routes[0].method");
-        assert_eq!(error_key(&ROUTE.replace("/payments", "payments")), "routes[0].path");
-        assert_eq!(error_key(&ROUTE.replace("http://127.0.0.1:9090", "https://x")), "routes[0].upstream");
-        assert_eq!(error_key(&format!("{ROUTE}\nprobe = \"GET /payments\"")), "routes[0].probe");
-        assert_eq!(error_key(&format!("{ROUTE}\non_unknown = \"release\"")), "routes[0].on_unknown");
-        assert_eq!(error_key(&format!("{ROUTE}\non_unknown = \"release-after:soon\"")), "routes[0].on_unknown");
-        assert_eq!(error_key(&format!("{ROUTE}\nrelease_on = [\"6xx\"]")), "routes[0].release_on");
+        assert_eq!(
+            error_key(&ROUTE.replace("POST", "post")),
+            "routes[0].method"
+        );
+        assert_eq!(
+            error_key(&ROUTE.replace("/payments", "payments")),
+            "routes[0].path"
+        );
+        assert_eq!(
+            error_key(&ROUTE.replace("http://127.0.0.1:9090", "https://x")),
+            "routes[0].upstream"
+        );
+        assert_eq!(
+            error_key(&format!("{ROUTE}\nprobe = \"GET /payments\"")),
+            "routes[0].probe"
+        );
+        assert_eq!(
+            error_key(&format!("{ROUTE}\non_unknown = \"release\"")),
+            "routes[0].on_unknown"
+        );
+        assert_eq!(
+            error_key(&format!("{ROUTE}\non_unknown = \"release-after:soon\"")),
+            "routes[0].on_unknown"
+        );
+        assert_eq!(
+            error_key(&format!("{ROUTE}\nrelease_on = [\"6xx\"]")),
+            "routes[0].release_on"
+        );
         assert_eq!(error_key(&format!("{ROUTE}{ROUTE}")), "routes[1]");
     }
 
@@ -513,7 +599,10 @@ mod tests {
         let route = &config.routes.routes()[0];
         assert_eq!(route.policy.ttl, Duration::from_secs(600));
         assert_eq!(route.policy.mismatch_status, 422);
-        assert_eq!(route.on_unknown, OnUnknown::ReleaseAfter(Duration::from_secs(600)));
+        assert_eq!(
+            route.on_unknown,
+            OnUnknown::ReleaseAfter(Duration::from_secs(600))
+        );
         assert_eq!(route.probe.as_ref().unwrap().path, "/payments/by-key/{key}");
         assert!(route.policy.keeps(429));
     }

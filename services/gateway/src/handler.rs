@@ -57,10 +57,17 @@ pub async fn handle(State(app): State<Arc<AppState>>, request: Request<Body>) ->
     };
 
     let target = parts.uri.path_and_query().map_or("/", |pq| pq.as_str());
-    let kind = if is_json(&parts.headers) { BodyKind::Json } else { BodyKind::Raw };
+    let kind = if is_json(&parts.headers) {
+        BodyKind::Json
+    } else {
+        BodyKind::Raw
+    };
     let fingerprint = match Fingerprint::compute(parts.method.as_str(), target, kind, &body) {
         Ok(fp) => fp,
-        Err(why) => return Problem::RequestInvalid(format!("the body is not acceptable JSON: {why}")).into_response(),
+        Err(why) => {
+            return Problem::RequestInvalid(format!("the body is not acceptable JSON: {why}"))
+                .into_response();
+        }
     };
     let wait = route.policy.wait_for(preferred_wait(&parts.headers));
     let scope = Scope::new(tenant.clone(), route.endpoint.clone(), key.clone());
@@ -146,7 +153,9 @@ fn respond(outcome: Outcome<UpstreamResponse>, route: &Route, wait: Option<Durat
     };
     match outcome {
         Outcome::Executed { response, .. } | Outcome::Released(response) => passthrough(response),
-        Outcome::Replayed { response, waited, .. } => {
+        Outcome::Replayed {
+            response, waited, ..
+        } => {
             let mut response = replay(response);
             applied(&mut response, waited);
             response
@@ -156,7 +165,9 @@ fn respond(outcome: Outcome<UpstreamResponse>, route: &Route, wait: Option<Durat
         }
         .into_response(),
         Outcome::InProgress {
-            retry_after, waited, ..
+            retry_after,
+            waited,
+            ..
         } => {
             let mut response = Problem::InProgress { retry_after }.into_response();
             applied(&mut response, waited);
@@ -215,7 +226,9 @@ fn bearer(headers: &HeaderMap) -> Result<&str, idem_auth::AuthError> {
     };
     let value = value.to_str().map_err(|_| AuthError::Malformed)?;
     match value.split_once(' ') {
-        Some((scheme, token)) if scheme.eq_ignore_ascii_case("bearer") && !token.trim().is_empty() => {
+        Some((scheme, token))
+            if scheme.eq_ignore_ascii_case("bearer") && !token.trim().is_empty() =>
+        {
             Ok(token.trim())
         }
         _ => Err(AuthError::Missing),
@@ -237,10 +250,18 @@ fn idempotency_key(headers: &HeaderMap) -> Result<Option<IdempotencyKey>, String
 
 /// `Content-Type: application/json` or any `+json` type.
 fn is_json(headers: &HeaderMap) -> bool {
-    let Some(ct) = headers.get(header::CONTENT_TYPE).and_then(|v| v.to_str().ok()) else {
+    let Some(ct) = headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+    else {
         return false;
     };
-    let media = ct.split(';').next().unwrap_or("").trim().to_ascii_lowercase();
+    let media = ct
+        .split(';')
+        .next()
+        .unwrap_or("")
+        .trim()
+        .to_ascii_lowercase();
     media == "application/json" || (media.starts_with("application/") && media.ends_with("+json"))
 }
 
@@ -272,8 +293,12 @@ async fn read_body(body: Body, headers: &HeaderMap, limit: usize) -> Result<Byte
     }
     match Limited::new(body, limit).collect().await {
         Ok(collected) => Ok(collected.to_bytes()),
-        Err(e) if e.is::<http_body_util::LengthLimitError>() => Err(Problem::PayloadTooLarge { limit }),
-        Err(e) => Err(Problem::RequestInvalid(format!("the request body could not be read: {e}"))),
+        Err(e) if e.is::<http_body_util::LengthLimitError>() => {
+            Err(Problem::PayloadTooLarge { limit })
+        }
+        Err(e) => Err(Problem::RequestInvalid(format!(
+            "the request body could not be read: {e}"
+        ))),
     }
 }
 
@@ -284,7 +309,10 @@ mod tests {
     fn headers(pairs: &[(&str, &str)]) -> HeaderMap {
         let mut h = HeaderMap::new();
         for (k, v) in pairs {
-            h.append(http::HeaderName::from_bytes(k.as_bytes()).unwrap(), HeaderValue::from_str(v).unwrap());
+            h.append(
+                http::HeaderName::from_bytes(k.as_bytes()).unwrap(),
+                HeaderValue::from_str(v).unwrap(),
+            );
         }
         h
     }
@@ -292,30 +320,60 @@ mod tests {
     #[test]
     fn json_media_types() {
         assert!(is_json(&headers(&[("content-type", "application/json")])));
-        assert!(is_json(&headers(&[("content-type", "Application/JSON; charset=utf-8")])));
-        assert!(is_json(&headers(&[("content-type", "application/merge-patch+json")])));
+        assert!(is_json(&headers(&[(
+            "content-type",
+            "Application/JSON; charset=utf-8"
+        )])));
+        assert!(is_json(&headers(&[(
+            "content-type",
+            "application/merge-patch+json"
+        )])));
         assert!(!is_json(&headers(&[("content-type", "text/plain")])));
         assert!(!is_json(&headers(&[])));
     }
 
     #[test]
     fn prefer_wait_is_found_among_other_preferences() {
-        assert_eq!(preferred_wait(&headers(&[("prefer", "respond-async, wait=3")])), Some(Duration::from_secs(3)));
-        assert_eq!(preferred_wait(&headers(&[("prefer", "return=minimal")])), None);
+        assert_eq!(
+            preferred_wait(&headers(&[("prefer", "respond-async, wait=3")])),
+            Some(Duration::from_secs(3))
+        );
+        assert_eq!(
+            preferred_wait(&headers(&[("prefer", "return=minimal")])),
+            None
+        );
         assert_eq!(preferred_wait(&headers(&[("prefer", "wait=soon")])), None);
     }
 
     #[test]
     fn one_key_header_only() {
-        assert!(idempotency_key(&headers(&[("idempotency-key", "a"), ("idempotency-key", "b")])).is_err());
+        assert!(
+            idempotency_key(&headers(&[
+                ("idempotency-key", "a"),
+                ("idempotency-key", "b")
+            ]))
+            .is_err()
+        );
         assert_eq!(idempotency_key(&headers(&[])), Ok(None));
-        assert_eq!(idempotency_key(&headers(&[("idempotency-key", "\"k\"")])).unwrap().unwrap().as_str(), "k");
+        assert_eq!(
+            idempotency_key(&headers(&[("idempotency-key", "\"k\"")]))
+                .unwrap()
+                .unwrap()
+                .as_str(),
+            "k"
+        );
     }
 
     #[test]
     fn bearer_tokens() {
-        assert_eq!(bearer(&headers(&[("authorization", "Bearer abc")])), Ok("abc"));
-        assert_eq!(bearer(&headers(&[("authorization", "bearer abc")])), Ok("abc"));
+        assert_eq!(
+            bearer(&headers(&[("authorization", "Bearer abc")])),
+            Ok("abc")
+        );
+        assert_eq!(
+            bearer(&headers(&[("authorization", "bearer abc")])),
+            Ok("abc")
+        );
         assert!(bearer(&headers(&[("authorization", "Basic abc")])).is_err());
         assert!(bearer(&headers(&[("authorization", "Bearer ")])).is_err());
         assert!(bearer(&headers(&[])).is_err());

@@ -59,20 +59,32 @@ pub fn passthrough_response_headers(mut headers: HeaderMap) -> HeaderMap {
 }
 
 /// The response as it is stored for replays.
-pub fn to_stored(status: u16, headers: &HeaderMap, body: Bytes, store_set_cookie: bool) -> StoredResponse {
+pub fn to_stored(
+    status: u16,
+    headers: &HeaderMap,
+    body: Bytes,
+    store_set_cookie: bool,
+) -> StoredResponse {
     let headers = headers
         .iter()
         .filter(|(name, _)| core_headers::is_replayable(name.as_str(), store_set_cookie))
         .map(|(name, value)| (name.as_str().to_owned(), value.as_bytes().to_vec()))
         .collect();
-    StoredResponse { status, headers, body }
+    StoredResponse {
+        status,
+        headers,
+        body,
+    }
 }
 
 /// Rebuilds stored headers for a replay (invalid stored entries are skipped).
 pub fn from_stored(stored: &[(String, Vec<u8>)]) -> HeaderMap {
     let mut headers = HeaderMap::with_capacity(stored.len() + 2);
     for (name, value) in stored {
-        if let (Ok(name), Ok(value)) = (HeaderName::from_bytes(name.as_bytes()), HeaderValue::from_bytes(value)) {
+        if let (Ok(name), Ok(value)) = (
+            HeaderName::from_bytes(name.as_bytes()),
+            HeaderValue::from_bytes(value),
+        ) {
             headers.append(name, value);
         }
     }
@@ -86,7 +98,10 @@ mod tests {
     fn map(pairs: &[(&str, &str)]) -> HeaderMap {
         let mut h = HeaderMap::new();
         for (k, v) in pairs {
-            h.append(HeaderName::from_bytes(k.as_bytes()).unwrap(), HeaderValue::from_str(v).unwrap());
+            h.append(
+                HeaderName::from_bytes(k.as_bytes()).unwrap(),
+                HeaderValue::from_str(v).unwrap(),
+            );
         }
         h
     }
@@ -116,7 +131,10 @@ mod tests {
         ]);
         let key = IdempotencyKey::parse(b"\"quoted\"").unwrap();
         let h = upstream_request_headers(&client, "acme", Some(&key));
-        assert_eq!(h.get_all("x-tenant-id").iter().collect::<Vec<_>>(), ["acme"]);
+        assert_eq!(
+            h.get_all("x-tenant-id").iter().collect::<Vec<_>>(),
+            ["acme"]
+        );
         assert_eq!(h["idempotency-key"], "quoted");
         assert!(h.get("host").is_none() && h.get("content-length").is_none());
         assert_eq!(h["authorization"], "Bearer t");
@@ -141,7 +159,13 @@ mod tests {
                 ("x-multi".to_owned(), b"b".to_vec()),
             ]
         );
-        assert_eq!(from_stored(&stored.headers).get_all("x-multi").iter().count(), 2);
+        assert_eq!(
+            from_stored(&stored.headers)
+                .get_all("x-multi")
+                .iter()
+                .count(),
+            2
+        );
         let with_cookie = to_stored(201, &h, Bytes::new(), true);
         assert!(with_cookie.headers.iter().any(|(n, _)| n == "set-cookie"));
     }

@@ -9,7 +9,11 @@ use idemgate::{Application, BuildOptions, Config};
 use secrecy::ExposeSecret;
 
 #[derive(Debug, Parser)]
-#[command(name = "idemgate", version, about = "A multi-tenant idempotency gateway")]
+#[command(
+    name = "idemgate",
+    version,
+    about = "A multi-tenant idempotency gateway"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -58,7 +62,10 @@ enum Command {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     init_logging();
-    let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
         Ok(rt) => rt,
         Err(e) => {
             eprintln!("error: cannot start the runtime: {e}");
@@ -78,8 +85,15 @@ async fn run(command: Command) -> anyhow::Result<()> {
     match command {
         Command::Serve { config, no_migrate } => {
             let config = load(&config.config)?;
-            let app = Application::build(config, BuildOptions { migrate: !no_migrate }).await?;
-            tracing::info!(addr = %app.local_addr(), "idemgate listening");
+            let app = Application::build(
+                config,
+                BuildOptions {
+                    migrate: !no_migrate,
+                },
+            )
+            .await?;
+            // On stdout, so a supervisor or test that bound port 0 can read the port.
+            println!("idemgate listening on {}", app.local_addr());
             app.run_until_stopped(shutdown_signal()).await
         }
         Command::Migrate { config } => {
@@ -95,7 +109,9 @@ async fn run(command: Command) -> anyhow::Result<()> {
             )
             .await
             .context("connecting to postgres.url")?;
-            idem_postgres::migrate(&pool).await.context("applying migrations")?;
+            idem_postgres::migrate(&pool)
+                .await
+                .context("applying migrations")?;
             println!("migrations applied");
             Ok(())
         }
@@ -116,13 +132,15 @@ async fn run(command: Command) -> anyhow::Result<()> {
             );
             Ok(())
         }
-        Command::Token { config, tenant, ttl } => {
+        Command::Token {
+            config,
+            tenant,
+            ttl,
+        } => {
             let config = load(&config.config)?;
-            let secret = config
-                .auth
-                .hs256_secret
-                .as_ref()
-                .context("auth.hs256_secret: `idemgate token` mints HS256 dev tokens and needs it set")?;
+            let secret = config.auth.hs256_secret.as_ref().context(
+                "auth.hs256_secret: `idemgate token` mints HS256 dev tokens and needs it set",
+            )?;
             let token = idem_auth::mint_hs256(
                 secret,
                 &config.auth.tenant_claim,
@@ -146,7 +164,11 @@ fn load(path: &Path) -> anyhow::Result<Config> {
 fn init_logging() {
     use tracing_subscriber::EnvFilter;
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
-    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    use std::io::IsTerminal;
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_ansi(std::io::stderr().is_terminal())
+        .with_writer(std::io::stderr);
     if std::env::var("IDEMGATE_LOG_FORMAT").is_ok_and(|f| f == "json") {
         builder.json().init();
     } else {

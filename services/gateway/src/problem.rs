@@ -17,10 +17,16 @@ pub const TYPE_BASE: &str = "https://idemgate.dev/problems/";
 pub enum Problem {
     KeyMissing,
     KeyInvalid(String),
-    KeyReused { status: u16 },
-    InProgress { retry_after: Duration },
+    KeyReused {
+        status: u16,
+    },
+    InProgress {
+        retry_after: Duration,
+    },
     Unauthorized(AuthError),
-    PayloadTooLarge { limit: usize },
+    PayloadTooLarge {
+        limit: usize,
+    },
     RequestInvalid(String),
     RouteNotFound,
     UpstreamUnavailable,
@@ -135,7 +141,10 @@ impl IntoResponse for Problem {
         );
         match &self {
             Problem::InProgress { retry_after } => {
-                headers.insert(header::RETRY_AFTER, HeaderValue::from(retry_after.as_secs().max(1)));
+                headers.insert(
+                    header::RETRY_AFTER,
+                    HeaderValue::from(retry_after.as_secs().max(1)),
+                );
             }
             Problem::LedgerUnavailable | Problem::OutcomeUnrecorded => {
                 headers.insert(header::RETRY_AFTER, HeaderValue::from(1));

@@ -45,7 +45,11 @@ pub enum Forwarded {
 }
 
 /// Sends `request` and reads the whole response, all within `timeout`.
-pub async fn forward(client: &HttpClient, request: Request<Full<Bytes>>, timeout: Duration) -> Forwarded {
+pub async fn forward(
+    client: &HttpClient,
+    request: Request<Full<Bytes>>,
+    timeout: Duration,
+) -> Forwarded {
     let exchange = async {
         let response = match client.request(request).await {
             Ok(response) => response,

@@ -84,23 +84,33 @@ async fn main() -> anyhow::Result<()> {
         .connect(&url)
         .await
         .with_context(|| format!("connecting to PAYMENTS_DEMO_DATABASE_URL={url}"))?;
-    create_schema(&pool).await.context("creating the demo tables")?;
+    create_schema(&pool)
+        .await
+        .context("creating the demo tables")?;
 
     let app = Router::new()
         .route("/payments", post(|s, h, b| create(PAYMENT, s, h, b)))
         .route("/refunds", post(|s, h, b| create(REFUND, s, h, b)))
-        .route("/payments/by-key/{key}", get(|s, h, k| by_key(PAYMENT, s, h, k)))
-        .route("/refunds/by-key/{key}", get(|s, h, k| by_key(REFUND, s, h, k)))
+        .route(
+            "/payments/by-key/{key}",
+            get(|s, h, k| by_key(PAYMENT, s, h, k)),
+        )
+        .route(
+            "/refunds/by-key/{key}",
+            get(|s, h, k| by_key(REFUND, s, h, k)),
+        )
         .route("/healthz", get(|| async { "ok" }))
         .with_state(pool);
     let listener = tokio::net::TcpListener::bind(&listen)
         .await
         .with_context(|| format!("binding PAYMENTS_DEMO_LISTEN={listen}"))?;
-    tracing::info!(addr = %listener.local_addr()?, "payments-demo listening");
+    // On stdout, so a test that bound port 0 can read the port.
+    println!("payments-demo listening on {}", listener.local_addr()?);
     axum::serve(listener, app)
         .with_graceful_shutdown(async {
-            let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
-                .expect("SIGTERM handler");
+            let mut term =
+                tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+                    .expect("SIGTERM handler");
             tokio::select! {
                 _ = tokio::signal::ctrl_c() => {}
                 _ = term.recv() => {}
@@ -114,9 +124,13 @@ async fn main() -> anyhow::Result<()> {
 /// at once do not race on `CREATE TABLE IF NOT EXISTS`.
 async fn create_schema(pool: &PgPool) -> sqlx::Result<()> {
     let mut tx = pool.begin().await?;
-    sqlx::query("SELECT pg_advisory_xact_lock(727272)").execute(&mut *tx).await?;
+    sqlx::query("SELECT pg_advisory_xact_lock(727272)")
+        .execute(&mut *tx)
+        .await?;
     for statement in SCHEMA {
-        sqlx::query(sqlx::AssertSqlSafe(*statement)).execute(&mut *tx).await?;
+        sqlx::query(sqlx::AssertSqlSafe(*statement))
+            .execute(&mut *tx)
+            .await?;
     }
     tx.commit().await
 }
@@ -133,20 +147,37 @@ fn tenant(headers: &HeaderMap) -> Option<String> {
         .map(str::to_owned)
 }
 
-async fn create(kind: Kind, State(pool): State<PgPool>, headers: HeaderMap, body: axum::body::Bytes) -> Response {
+async fn create(
+    kind: Kind,
+    State(pool): State<PgPool>,
+    headers: HeaderMap,
+    body: axum::body::Bytes,
+) -> Response {
     let Some(tenant) = tenant(&headers) else {
         return problem(StatusCode::BAD_REQUEST, "X-Tenant-Id is required");
     };
     if headers.get("x-demo-fail").is_some_and(|v| v == "500") {
-        return problem(StatusCode::INTERNAL_SERVER_ERROR, "injected failure (X-Demo-Fail)");
+        return problem(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "injected failure (X-Demo-Fail)",
+        );
     }
     let Ok(input) = serde_json::from_slice::<Value>(&body) else {
         return problem(StatusCode::BAD_REQUEST, "the body must be JSON");
     };
-    let reference = input.get(kind.ref_field).and_then(Value::as_str).filter(|s| !s.is_empty());
-    let amount = input.get("amountUah").and_then(Value::as_i64).filter(|a| *a > 0);
+    let reference = input
+        .get(kind.ref_field)
+        .and_then(Value::as_str)
+        .filter(|s| !s.is_empty());
+    let amount = input
+        .get("amountUah")
+        .and_then(Value::as_i64)
+        .filter(|a| *a > 0);
     let (Some(reference), Some(amount)) = (reference, amount) else {
-        let detail = format!("expected {{\"{}\": string, \"amountUah\": positive integer}}", kind.ref_field);
+        let detail = format!(
+            "expected {{\"{}\": string, \"amountUah\": positive integer}}",
+            kind.ref_field
+        );
         return problem(StatusCode::UNPROCESSABLE_ENTITY, &detail);
     };
     let key = headers.get("idempotency-key").and_then(|v| v.to_str().ok());
@@ -174,7 +205,11 @@ async fn create(kind: Kind, State(pool): State<PgPool>, headers: HeaderMap, body
     {
         tokio::time::sleep(Duration::from_millis(ms)).await;
     }
-    let mut response = (StatusCode::CREATED, Json(body_of(kind, id, reference, amount))).into_response();
+    let mut response = (
+        StatusCode::CREATED,
+        Json(body_of(kind, id, reference, amount)),
+    )
+        .into_response();
     if let Ok(location) = HeaderValue::from_str(&format!("{}/{id}", kind.path)) {
         response.headers_mut().insert(header::LOCATION, location);
     }
@@ -189,7 +224,12 @@ fn body_of(kind: Kind, id: Uuid, reference: &str, amount: i64) -> Value {
     Value::Object(body)
 }
 
-async fn by_key(kind: Kind, State(pool): State<PgPool>, headers: HeaderMap, Path(key): Path<String>) -> Response {
+async fn by_key(
+    kind: Kind,
+    State(pool): State<PgPool>,
+    headers: HeaderMap,
+    Path(key): Path<String>,
+) -> Response {
     let Some(tenant) = tenant(&headers) else {
         return problem(StatusCode::BAD_REQUEST, "X-Tenant-Id is required");
     };
@@ -198,7 +238,12 @@ async fn by_key(kind: Kind, State(pool): State<PgPool>, headers: HeaderMap, Path
          WHERE tenant_id = $1 AND idempotency_key = $2 ORDER BY created_at LIMIT 1",
         kind.ref_column, kind.table
     );
-    match sqlx::query(sqlx::AssertSqlSafe(sql)).bind(&tenant).bind(&key).fetch_optional(&pool).await {
+    match sqlx::query(sqlx::AssertSqlSafe(sql))
+        .bind(&tenant)
+        .bind(&key)
+        .fetch_optional(&pool)
+        .await
+    {
         Ok(Some(row)) => {
             let id: Uuid = row.get("id");
             let reference: String = row.get("reference");

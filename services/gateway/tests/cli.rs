@@ -1,0 +1,98 @@
+//! The `idemgate` binary's offline commands.
+
+use std::process::Command;
+
+fn idemgate(args: &[&str], config: &str) -> (bool, String, String) {
+    let dir = std::env::temp_dir().join(format!("idemgate-cli-{}", uuid::Uuid::new_v4().simple()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("idemgate.toml");
+    std::fs::write(&path, config).unwrap();
+    let output = Command::new(env!("CARGO_BIN_EXE_idemgate"))
+        .args(args)
+        .arg("--config")
+        .arg(&path)
+        .env_remove("IDEMGATE_CONFIG")
+        .output()
+        .expect("run idemgate");
+    std::fs::remove_dir_all(&dir).ok();
+    (
+        output.status.success(),
+        String::from_utf8_lossy(&output.stdout).into_owned(),
+        String::from_utf8_lossy(&output.stderr).into_owned(),
+    )
+}
+
+const GOOD: &str = r#"
+[postgres]
+url = "postgres://postgres@127.0.0.1:5432/idemgate"
+[auth]
+hs256_secret = "dev-secret-123"
+[[routes]]
+method = "POST"
+path = "/payments"
+upstream = "http://127.0.0.1:9090"
+idempotent = true
+"#;
+
+#[test]
+fn check_config_accepts_a_good_file() {
+    let (ok, stdout, stderr) = idemgate(&["check-config"], GOOD);
+    assert!(ok, "{stderr}");
+    assert!(
+        stdout.contains("OK") && stdout.contains("POST /payments"),
+        "{stdout}"
+    );
+}
+
+#[test]
+fn check_config_names_an_unknown_key() {
+    let (ok, _, stderr) = idemgate(
+        &["check-config"],
+        &GOOD.replace("idempotent = true", "idempotent = true\nretry = 3"),
+    );
+    assert!(!ok);
+    assert!(stderr.contains("routes[0].retry"), "{stderr}");
+}
+
+#[test]
+fn check_config_names_a_bad_duration() {
+    let (ok, _, stderr) = idemgate(
+        &["check-config"],
+        &format!("{GOOD}\n[idempotency]\nlease = \"half a minute\""),
+    );
+    assert!(!ok);
+    assert!(stderr.contains("idempotency.lease"), "{stderr}");
+}
+
+#[test]
+fn check_config_checks_the_auth_keys() {
+    let (ok, _, stderr) = idemgate(
+        &["check-config"],
+        &GOOD.replace(
+            "hs256_secret = \"dev-secret-123\"",
+            "public_key_pem_file = \"/nonexistent/key.pem\"",
+        ),
+    );
+    assert!(!ok);
+    assert!(stderr.contains("auth.public_key_pem_file"), "{stderr}");
+}
+
+#[test]
+fn the_dev_config_is_valid() {
+    let dev = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../config/idemgate.dev.toml"
+    ))
+    .unwrap();
+    let (ok, _, stderr) = idemgate(&["check-config"], &dev);
+    assert!(ok, "{stderr}");
+}
+
+#[test]
+fn token_mints_a_verifiable_dev_token() {
+    let (ok, stdout, stderr) = idemgate(&["token", "--tenant", "acme", "--ttl", "5m"], GOOD);
+    assert!(ok, "{stderr}");
+    let config = idemgate::Config::from_toml(GOOD).unwrap();
+    let auth = idem_auth::Authenticator::from_config(&config.auth).unwrap();
+    assert_eq!(auth.verify(stdout.trim()).unwrap().0, "acme");
+}

@@ -1,0 +1,446 @@
+//! Test harness: a fresh Postgres database per test, the real payments-demo process,
+//! gateways built in-process on port 0, and a small HTTP client.
+//!
+//! Nothing here skips: a missing service or binary fails the test and says how to fix it.
+#![allow(dead_code)]
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::Stdio;
+use std::time::{Duration, SystemTime};
+
+use bytes::Bytes;
+use http::{HeaderMap, HeaderName, HeaderValue, Method, Request, StatusCode};
+use http_body_util::{BodyExt, Full};
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
+use idemgate::{Application, BuildOptions, Config};
+use secrecy::SecretString;
+use sqlx::{Connection, PgConnection};
+use tokio::io::{AsyncBufReadExt, BufReader};
+use tokio::process::{Child, Command};
+
+pub const SECRET: &str = "integration-test-secret";
+
+/// The server that tests create their databases on.
+pub fn admin_url() -> String {
+    std::env::var("IDEMGATE_TEST_POSTGRES")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".into())
+}
+
+/// A database of this test's own, dropped when the test ends (pass or fail).
+pub struct TestDb {
+    pub name: String,
+    pub url: String,
+}
+
+impl TestDb {
+    pub async fn create() -> Self {
+        let admin = admin_url();
+        let mut conn = PgConnection::connect(&admin).await.unwrap_or_else(|e| {
+            panic!("Postgres is not reachable at {admin} ({e}). Start it with scripts/dev-services, or set IDEMGATE_TEST_POSTGRES.")
+        });
+        let name = format!("idemgate_test_{}", uuid::Uuid::new_v4().simple());
+        sqlx::query(sqlx::AssertSqlSafe(format!("CREATE DATABASE {name}")))
+            .execute(&mut conn)
+            .await
+            .expect("create the test database");
+        let base = admin
+            .rsplit_once('/')
+            .map_or(admin.as_str(), |(base, _)| base);
+        let url = format!("{base}/{name}");
+        Self { name, url }
+    }
+
+    pub async fn connect(&self) -> PgConnection {
+        PgConnection::connect(&self.url)
+            .await
+            .expect("connect to the test database")
+    }
+
+    /// Rows in `table` for a tenant and key: the number of executions.
+    pub async fn executions(&self, table: &str, tenant: &str, key: &str) -> i64 {
+        let mut conn = self.connect().await;
+        sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+            "SELECT count(*) FROM {table} WHERE tenant_id = $1 AND idempotency_key = $2"
+        )))
+        .bind(tenant)
+        .bind(key)
+        .fetch_one(&mut conn)
+        .await
+        .expect("count executions")
+    }
+
+    /// Ledger rows for a tenant (all endpoints and keys).
+    pub async fn ledger_rows(&self, tenant: &str) -> i64 {
+        let mut conn = self.connect().await;
+        sqlx::query_scalar("SELECT count(*) FROM idempotency_keys WHERE tenant_id = $1")
+            .bind(tenant)
+            .fetch_one(&mut conn)
+            .await
+            .expect("count ledger rows")
+    }
+}
+
+impl Drop for TestDb {
+    fn drop(&mut self) {
+        let name = self.name.clone();
+        // Drop runs outside any runtime we may block: use a thread with its own.
+        let _ = std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap();
+            rt.block_on(async {
+                if let Ok(mut conn) = PgConnection::connect(&admin_url()).await {
+                    let _ = sqlx::query(sqlx::AssertSqlSafe(format!(
+                        "DROP DATABASE IF EXISTS {name} WITH (FORCE)"
+                    )))
+                    .execute(&mut conn)
+                    .await;
+                }
+            });
+        })
+        .join();
+    }
+}
+
+/// The directory holding the workspace's built binaries (next to this test binary).
+fn bin_dir() -> PathBuf {
+    let exe = std::env::current_exe().expect("test binary path");
+    exe.parent()
+        .and_then(|deps| deps.parent())
+        .expect("target dir")
+        .to_path_buf()
+}
+
+/// The path of a workspace binary, checked to exist and to be newer than its sources.
+pub fn binary(name: &str, sources: &str) -> PathBuf {
+    let path = bin_dir().join(name);
+    let built = std::fs::metadata(&path)
+        .and_then(|m| m.modified())
+        .unwrap_or_else(|_| {
+            panic!(
+                "{} not found: build it with `cargo build --workspace --bins` (scripts/test does)",
+                path.display()
+            )
+        });
+    let src = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../..")
+        .join(sources);
+    if let Some(newest) = newest_mtime(&src) {
+        assert!(
+            built >= newest,
+            "{} is older than its sources in {}: rebuild with `cargo build --workspace --bins`",
+            path.display(),
+            src.display()
+        );
+    }
+    path
+}
+
+fn newest_mtime(dir: &PathBuf) -> Option<SystemTime> {
+    let mut newest = None;
+    for entry in std::fs::read_dir(dir).ok()?.flatten() {
+        let path = entry.path();
+        let t = if path.is_dir() {
+            newest_mtime(&path)
+        } else {
+            entry.metadata().ok().and_then(|m| m.modified().ok())
+        };
+        newest = newest.max(t);
+    }
+    newest
+}
+
+/// A running payments-demo process, killed when dropped.
+pub struct Demo {
+    pub addr: SocketAddr,
+    child: Child,
+}
+
+impl Demo {
+    pub async fn start(db: &TestDb) -> Self {
+        let mut child = Command::new(binary("payments-demo", "services/payments-demo/src"))
+            .env("PAYMENTS_DEMO_LISTEN", "127.0.0.1:0")
+            .env("PAYMENTS_DEMO_DATABASE_URL", &db.url)
+            .env("RUST_LOG", "warn")
+            .stdout(Stdio::piped())
+            .kill_on_drop(true)
+            .spawn()
+            .expect("spawn payments-demo");
+        let addr = read_listen_line(&mut child, "payments-demo listening on ").await;
+        Self { addr, child }
+    }
+
+    pub fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+}
+
+/// Reads the child's stdout until the line announcing its address.
+pub async fn read_listen_line(child: &mut Child, prefix: &str) -> SocketAddr {
+    let stdout = child.stdout.take().expect("piped stdout");
+    let mut lines = BufReader::new(stdout).lines();
+    let line = tokio::time::timeout(Duration::from_secs(20), async {
+        while let Some(line) = lines.next_line().await.expect("read stdout") {
+            if let Some(addr) = line.strip_prefix(prefix) {
+                return addr.to_owned();
+            }
+        }
+        panic!("process exited before announcing its address");
+    })
+    .await
+    .expect("process announced its address in time");
+    // Keep draining stdout so the child never blocks on a full pipe.
+    tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
+    line.parse().expect("a socket address")
+}
+
+/// A config for tests: the given routes TOML after a base that points at `db`.
+pub fn config(db: &TestDb, extra: &str) -> Config {
+    let toml = format!(
+        r#"
+        [server]
+        listen = "127.0.0.1:0"
+        max_body_bytes = 4096
+        shutdown_grace = "5s"
+        [postgres]
+        url = "{url}"
+        max_connections = 8
+        [auth]
+        hs256_secret = "{SECRET}"
+        {extra}
+        "#,
+        url = db.url
+    );
+    Config::from_toml(&toml).unwrap_or_else(|e| panic!("test config: {e}"))
+}
+
+/// The usual payments route against the demo (and refunds), with extra route keys.
+pub fn payments_routes(demo: &Demo, route_extra: &str) -> String {
+    let timeout = if route_extra.contains("timeout") {
+        ""
+    } else {
+        "timeout = \"5s\""
+    };
+    format!(
+        r#"
+        [[routes]]
+        method = "POST"
+        path = "/payments"
+        upstream = "{url}"
+        idempotent = true
+        {timeout}
+        {route_extra}
+
+        [[routes]]
+        method = "POST"
+        path = "/refunds"
+        upstream = "{url}"
+        idempotent = true
+        timeout = "5s"
+
+        [[routes]]
+        method = "GET"
+        path = "/payments/by-key/{{key}}"
+        upstream = "{url}"
+        "#,
+        url = demo.url()
+    )
+}
+
+/// A gateway running in this process, stopped when dropped (or via `stop`).
+pub struct Gateway {
+    pub addr: SocketAddr,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    pub task: Option<tokio::task::JoinHandle<anyhow::Result<()>>>,
+}
+
+impl Gateway {
+    pub async fn start(config: Config) -> Self {
+        let app = Application::build(config, BuildOptions::default())
+            .await
+            .unwrap_or_else(|e| panic!("gateway failed to start: {e:#}"));
+        let addr = app.local_addr();
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let task = tokio::spawn(app.run_until_stopped(async {
+            let _ = rx.await;
+        }));
+        Self {
+            addr,
+            stop: Some(tx),
+            task: Some(task),
+        }
+    }
+
+    pub fn url(&self, path: &str) -> String {
+        format!("http://{}{}", self.addr, path)
+    }
+
+    /// Signals shutdown; returns the serve task to await.
+    pub fn stop(&mut self) -> tokio::task::JoinHandle<anyhow::Result<()>> {
+        if let Some(tx) = self.stop.take() {
+            let _ = tx.send(());
+        }
+        self.task.take().expect("not stopped before")
+    }
+}
+
+impl Drop for Gateway {
+    fn drop(&mut self) {
+        if let Some(tx) = self.stop.take() {
+            let _ = tx.send(());
+        }
+    }
+}
+
+pub fn token(tenant: &str) -> String {
+    idem_auth::mint_hs256(
+        &SecretString::from(SECRET),
+        "tenant_id",
+        tenant,
+        Duration::from_secs(600),
+        None,
+        None,
+    )
+    .expect("mint a token")
+}
+
+/// A response, read in full.
+#[derive(Debug, Clone)]
+pub struct Answer {
+    pub status: StatusCode,
+    pub headers: HeaderMap,
+    pub body: Bytes,
+}
+
+impl Answer {
+    pub fn json(&self) -> serde_json::Value {
+        serde_json::from_slice(&self.body)
+            .unwrap_or_else(|e| panic!("not JSON ({e}): {}", String::from_utf8_lossy(&self.body)))
+    }
+
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers.get(name).and_then(|v| v.to_str().ok())
+    }
+
+    pub fn replayed(&self) -> bool {
+        self.header("idempotent-replayed") == Some("true")
+    }
+
+    /// The slug at the end of a problem's `type` URI.
+    pub fn problem(&self) -> String {
+        assert_eq!(
+            self.header("content-type"),
+            Some("application/problem+json"),
+            "status {} body {}",
+            self.status,
+            String::from_utf8_lossy(&self.body)
+        );
+        let json = self.json();
+        assert_eq!(json["status"], self.status.as_u16(), "{json}");
+        json["type"]
+            .as_str()
+            .and_then(|t| t.strip_prefix(idemgate::problem::TYPE_BASE))
+            .unwrap_or_else(|| panic!("problem type: {json}"))
+            .to_owned()
+    }
+}
+
+/// A request builder over one shared pooled client.
+#[derive(Clone)]
+pub struct Http {
+    client: Client<HttpConnector, Full<Bytes>>,
+}
+
+impl Default for Http {
+    fn default() -> Self {
+        Self {
+            client: Client::builder(TokioExecutor::new()).build(HttpConnector::new()),
+        }
+    }
+}
+
+pub struct Call {
+    client: Client<HttpConnector, Full<Bytes>>,
+    request: Request<Full<Bytes>>,
+}
+
+impl Http {
+    pub fn post(&self, url: &str) -> Call {
+        self.call(Method::POST, url)
+    }
+
+    pub fn get(&self, url: &str) -> Call {
+        self.call(Method::GET, url)
+    }
+
+    pub fn call(&self, method: Method, url: &str) -> Call {
+        let mut request = Request::new(Full::new(Bytes::new()));
+        *request.method_mut() = method;
+        *request.uri_mut() = url.parse().expect("a URL");
+        Call {
+            client: self.client.clone(),
+            request,
+        }
+    }
+}
+
+impl Call {
+    pub fn header(mut self, name: &str, value: &str) -> Self {
+        self.request.headers_mut().append(
+            HeaderName::from_bytes(name.as_bytes()).expect("header name"),
+            HeaderValue::from_bytes(value.as_bytes()).expect("header value"),
+        );
+        self
+    }
+
+    pub fn bearer(self, token: &str) -> Self {
+        self.header("authorization", &format!("Bearer {token}"))
+    }
+
+    pub fn tenant(self, tenant: &str) -> Self {
+        self.bearer(&token(tenant))
+    }
+
+    pub fn key(self, key: &str) -> Self {
+        self.header("idempotency-key", key)
+    }
+
+    pub fn json(mut self, body: &str) -> Self {
+        *self.request.body_mut() = Full::new(Bytes::copy_from_slice(body.as_bytes()));
+        self.header("content-type", "application/json")
+    }
+
+    pub fn body(mut self, body: impl Into<Bytes>) -> Self {
+        *self.request.body_mut() = Full::new(body.into());
+        self
+    }
+
+    pub async fn send(self) -> Answer {
+        let response = self
+            .client
+            .request(self.request)
+            .await
+            .expect("request failed");
+        let (parts, body) = response.into_parts();
+        let body = body.collect().await.expect("read body").to_bytes();
+        Answer {
+            status: parts.status,
+            headers: parts.headers,
+            body,
+        }
+    }
+}
+
+/// A payment body.
+pub fn payment(order: &str, amount: u64) -> String {
+    format!(r#"{{"orderId": "{order}", "amountUah": {amount}}}"#)
+}
+
+/// A fresh key.
+pub fn new_key() -> String {
+    format!("key-{}", uuid::Uuid::new_v4())
+}

@@ -1,0 +1,273 @@
+//! What happens when the upstream fails, times out or is down, when keys expire, when
+//! clients hang up and when the gateway shuts down.
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+use http::StatusCode;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_upstream_500_releases_the_key_and_a_retry_executes() {
+    let db = TestDb::create().await;
+    let demo = Demo::start(&db).await;
+    let gw = Gateway::start(config(&db, &payments_routes(&demo, ""))).await;
+    let http = Http::default();
+    let key = new_key();
+    let failed = http
+        .post(&gw.url("/payments"))
+        .tenant("acme")
+        .key(&key)
+        .header("x-demo-fail", "500")
+        .json(&payment("o-500", 100))
+        .send()
+        .await;
+    assert_eq!(
+        failed.status,
+        StatusCode::INTERNAL_SERVER_ERROR,
+        "the upstream's answer passes through"
+    );
+    assert!(!failed.replayed());
+    assert_eq!(db.ledger_rows("acme").await, 0, "released");
+
+    let retry = http
+        .post(&gw.url("/payments"))
+        .tenant("acme")
+        .key(&key)
+        .json(&payment("o-500", 100))
+        .send()
+        .await;
+    assert_eq!(retry.status, StatusCode::CREATED);
+    assert!(!retry.replayed(), "the retry executed");
+    assert_eq!(db.executions("demo_payments", "acme", &key).await, 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unreachable_upstream_gives_502_and_releases_the_key() {
+    let db = TestDb::create().await;
+    // A port that nothing listens on: bind, note it, close.
+    let closed = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap();
+    let routes = format!(
+        "[[routes]]\nmethod = \"POST\"\npath = \"/payments\"\nupstream = \"http://{closed}\"\nidempotent = true\ntimeout = \"5s\""
+    );
+    let gw = Gateway::start(config(&db, &routes)).await;
+    let http = Http::default();
+    let key = new_key();
+    for _ in 0..2 {
+        let answer = http
+            .post(&gw.url("/payments"))
+            .tenant("acme")
+            .key(&key)
+            .json(&payment("o", 1))
+            .send()
+            .await;
+        // Not 409 the second time: the first attempt released the key.
+        assert_eq!(answer.status, StatusCode::BAD_GATEWAY);
+        assert_eq!(answer.problem(), "upstream-unavailable");
+        assert_eq!(db.ledger_rows("acme").await, 0);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_upstream_timeout_gives_504_and_holds_the_key() {
+    let db = TestDb::create().await;
+    let demo = Demo::start(&db).await;
+    let gw = Gateway::start(config(&db, &payments_routes(&demo, "timeout = \"300ms\""))).await;
+    let http = Http::default();
+    let key = new_key();
+    let timed_out = http
+        .post(&gw.url("/payments"))
+        .tenant("acme")
+        .key(&key)
+        .header("x-demo-delay-ms", "1500")
+        .json(&payment("o-slow", 100))
+        .send()
+        .await;
+    assert_eq!(timed_out.status, StatusCode::GATEWAY_TIMEOUT);
+    assert_eq!(timed_out.problem(), "upstream-timeout");
+
+    // The demo did insert (it sleeps after committing): the outcome is unknown, so the
+    // key stays held and a retry must not execute again.
+    let retry = http
+        .post(&gw.url("/payments"))
+        .tenant("acme")
+        .key(&key)
+        .json(&payment("o-slow", 100))
+        .send()
+        .await;
+    assert_eq!(retry.status, StatusCode::CONFLICT);
+    assert_eq!(retry.problem(), "idempotency-key-in-progress");
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let later = http
+        .post(&gw.url("/payments"))
+        .tenant("acme")
+        .key(&key)
+        .json(&payment("o-slow", 100))
+        .send()
+        .await;
+    assert_eq!(later.status, StatusCode::CONFLICT);
+    assert_eq!(db.executions("demo_payments", "acme", &key).await, 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_expired_key_executes_again_even_before_any_purge() {
+    let db = TestDb::create().await;
+    let demo = Demo::start(&db).await;
+    let gw = Gateway::start(config(
+        &db,
+        &payments_routes(&demo, "ttl = \"1s\"\nlease = \"1s\"\ntimeout = \"900ms\""),
+    ))
+    .await;
+    let http = Http::default();
+    let key = new_key();
+    let send = || {
+        http.post(&gw.url("/payments"))
+            .tenant("acme")
+            .key(&key)
+            .json(&payment("o-ttl", 100))
+            .send()
+    };
+    let first = send().await;
+    assert!(send().await.replayed(), "replayed while the key lives");
+    tokio::time::sleep(Duration::from_millis(1300)).await;
+    assert_eq!(
+        db.ledger_rows("acme").await,
+        1,
+        "the expired row is still there (no purge ran)"
+    );
+
+    let after = send().await;
+    assert_eq!(after.status, StatusCode::CREATED);
+    assert!(!after.replayed(), "an expired key behaves as absent");
+    assert_ne!(after.body, first.body);
+    assert_eq!(db.executions("demo_payments", "acme", &key).await, 2);
+    assert!(
+        send().await.replayed(),
+        "and the new execution is replayed in turn"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_retries_of_an_expired_key_execute_once() {
+    let db = TestDb::create().await;
+    let demo = Demo::start(&db).await;
+    let gw = Gateway::start(config(
+        &db,
+        &payments_routes(&demo, "ttl = \"1s\"\nlease = \"1s\"\ntimeout = \"900ms\""),
+    ))
+    .await;
+    let http = Http::default();
+    let key = new_key();
+    http.post(&gw.url("/payments"))
+        .tenant("acme")
+        .key(&key)
+        .json(&payment("o", 1))
+        .send()
+        .await;
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    let calls: Vec<_> = (0..20)
+        .map(|_| {
+            tokio::spawn(
+                http.post(&gw.url("/payments"))
+                    .tenant("acme")
+                    .key(&key)
+                    .header("x-demo-delay-ms", "200")
+                    .json(&payment("o", 1))
+                    .send(),
+            )
+        })
+        .collect();
+    for call in calls {
+        let status = call.await.unwrap().status;
+        assert!(
+            status == StatusCode::CREATED || status == StatusCode::CONFLICT,
+            "{status}"
+        );
+    }
+    assert_eq!(
+        db.executions("demo_payments", "acme", &key).await,
+        2,
+        "one before expiry, one after"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_hangs_up_does_not_leave_the_claim_half_done() {
+    let db = TestDb::create().await;
+    let demo = Demo::start(&db).await;
+    let gw = Gateway::start(config(&db, &payments_routes(&demo, ""))).await;
+    let http = Http::default();
+    let key = new_key();
+    let impatient = tokio::spawn(
+        http.post(&gw.url("/payments"))
+            .tenant("acme")
+            .key(&key)
+            .header("x-demo-delay-ms", "500")
+            .json(&payment("o-hangup", 100))
+            .send(),
+    );
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    impatient.abort(); // drops the connection mid-request
+    assert!(impatient.await.unwrap_err().is_cancelled());
+
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    let retry = http
+        .post(&gw.url("/payments"))
+        .tenant("acme")
+        .key(&key)
+        .json(&payment("o-hangup", 100))
+        .send()
+        .await;
+    assert_eq!(retry.status, StatusCode::CREATED);
+    assert!(
+        retry.replayed(),
+        "the abandoned execution was completed and stored"
+    );
+    assert_eq!(db.executions("demo_payments", "acme", &key).await, 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_finishes_in_flight_requests_and_stops_accepting() {
+    let db = TestDb::create().await;
+    let demo = Demo::start(&db).await;
+    let mut gw = Gateway::start(config(&db, &payments_routes(&demo, ""))).await;
+    let http = Http::default();
+    let key = new_key();
+    let in_flight = tokio::spawn(
+        http.post(&gw.url("/payments"))
+            .tenant("acme")
+            .key(&key)
+            .header("x-demo-delay-ms", "600")
+            .json(&payment("o-drain", 100))
+            .send(),
+    );
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    let serving = gw.stop();
+    let answer = in_flight.await.unwrap();
+    assert_eq!(
+        answer.status,
+        StatusCode::CREATED,
+        "the in-flight request finished"
+    );
+    tokio::time::timeout(Duration::from_secs(5), serving)
+        .await
+        .expect("the gateway stopped within its grace period")
+        .unwrap()
+        .unwrap();
+    assert!(
+        tokio::net::TcpStream::connect(gw.addr).await.is_err(),
+        "no longer accepting connections"
+    );
+    // Completed, not stuck: the ledger row is the stored response.
+    let mut conn = db.connect().await;
+    let status: String = sqlx::query_scalar("SELECT status FROM idempotency_keys WHERE key = $1")
+        .bind(&key)
+        .fetch_one(&mut conn)
+        .await
+        .unwrap();
+    assert_eq!(status, "completed");
+}
