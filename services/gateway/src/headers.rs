@@ -11,16 +11,20 @@ pub const IDEMPOTENT_REPLAYED: HeaderName = HeaderName::from_static("idempotent-
 pub const PREFERENCE_APPLIED: HeaderName = HeaderName::from_static("preference-applied");
 pub const TRACEPARENT: HeaderName = HeaderName::from_static("traceparent");
 
-/// Removes hop-by-hop headers: the fixed list and every header named in `Connection`.
-pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
-    let named: Vec<HeaderName> = headers
+/// The headers named in `Connection` (hop-by-hop for this one connection).
+fn connection_named(headers: &HeaderMap) -> Vec<HeaderName> {
+    headers
         .get_all(header::CONNECTION)
         .iter()
         .filter_map(|v| v.to_str().ok())
         .flat_map(|v| v.split(','))
         .filter_map(|token| HeaderName::from_bytes(token.trim().as_bytes()).ok())
-        .collect();
-    for name in named {
+        .collect()
+}
+
+/// Removes hop-by-hop headers: the fixed list and every header named in `Connection`.
+pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
+    for name in connection_named(headers) {
         headers.remove(name);
     }
     for name in core_headers::HOP_BY_HOP {
@@ -37,9 +41,11 @@ pub fn upstream_request_headers(
 ) -> HeaderMap {
     let mut headers = client.clone();
     strip_hop_by_hop(&mut headers);
-    // Host is set from the upstream URI; Content-Length from the body we send.
+    // Host is set from the upstream URI; Content-Length from the body we send, which
+    // is already read in full (so there is nothing to `Expect: 100-continue` for).
     headers.remove(header::HOST);
     headers.remove(header::CONTENT_LENGTH);
+    headers.remove(header::EXPECT);
     headers.remove(X_TENANT_ID);
     headers.remove(IDEMPOTENCY_KEY);
     if let Ok(tenant) = HeaderValue::from_str(tenant) {
@@ -65,8 +71,10 @@ pub fn to_stored(
     body: Bytes,
     store_set_cookie: bool,
 ) -> StoredResponse {
+    let per_connection = connection_named(headers);
     let headers = headers
         .iter()
+        .filter(|(name, _)| !per_connection.contains(name))
         .filter(|(name, _)| core_headers::is_replayable(name.as_str(), store_set_cookie))
         .map(|(name, value)| (name.as_str().to_owned(), value.as_bytes().to_vec()))
         .collect();
@@ -143,6 +151,8 @@ mod tests {
     #[test]
     fn stored_headers_drop_date_length_and_cookies() {
         let h = map(&[
+            ("connection", "x-hop"),
+            ("x-hop", "1"),
             ("date", "Mon, 01 Jan 2024 00:00:00 GMT"),
             ("content-length", "3"),
             ("set-cookie", "s=1"),

@@ -3,6 +3,10 @@
 use std::process::Command;
 
 fn idemgate(args: &[&str], config: &str) -> (bool, String, String) {
+    idemgate_env(args, config, &[])
+}
+
+fn idemgate_env(args: &[&str], config: &str, env: &[(&str, &str)]) -> (bool, String, String) {
     let dir = std::env::temp_dir().join(format!("idemgate-cli-{}", uuid::Uuid::new_v4().simple()));
     std::fs::create_dir_all(&dir).unwrap();
     let path = dir.join("idemgate.toml");
@@ -12,6 +16,7 @@ fn idemgate(args: &[&str], config: &str) -> (bool, String, String) {
         .arg("--config")
         .arg(&path)
         .env_remove("IDEMGATE_CONFIG")
+        .envs(env.iter().copied())
         .output()
         .expect("run idemgate");
     std::fs::remove_dir_all(&dir).ok();
@@ -95,4 +100,28 @@ fn token_mints_a_verifiable_dev_token() {
     let config = idemgate::Config::from_toml(GOOD).unwrap();
     let auth = idem_auth::Authenticator::from_config(&config.auth).unwrap();
     assert_eq!(auth.verify(stdout.trim()).unwrap().0, "acme");
+}
+
+#[test]
+fn environment_variables_override_the_file() {
+    let (ok, _, stderr) = idemgate_env(
+        &["check-config"],
+        GOOD,
+        &[("IDEMGATE_SERVER__LISTEN", "not-an-address")],
+    );
+    assert!(!ok);
+    assert!(stderr.contains("server.listen"), "{stderr}");
+    let (ok, _, stderr) = idemgate_env(
+        &["check-config"],
+        GOOD,
+        &[("IDEMGATE_IDEMPOTENCY__LEASE", "5s")],
+    );
+    assert!(
+        !ok,
+        "the route's default 10s timeout is no longer shorter than the lease"
+    );
+    assert!(stderr.contains("routes[0].timeout"), "{stderr}");
+    // Variables without a section separator are not config keys (IDEMGATE_LOG_FORMAT).
+    let (ok, _, stderr) = idemgate_env(&["check-config"], GOOD, &[("IDEMGATE_LOG_FORMAT", "json")]);
+    assert!(ok, "{stderr}");
 }

@@ -1,0 +1,384 @@
+//! The engine's decisions, over an in-memory ledger (pure logic: no I/O).
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use bytes::Bytes;
+use idem_core::policy::default_release_statuses;
+use idem_core::{
+    AttemptId, BodyKind, Claim, ClaimResult, Engine, Execution, Fence, Fingerprint, IdempotencyKey,
+    Ledger, LedgerError, OnInProgress, Outcome, Policy, Record, RecordState, Request, Scope,
+    StoredResponse, UnknownCause,
+};
+
+#[derive(Clone, Default)]
+struct MemLedger {
+    rows: Arc<Mutex<HashMap<Scope, Record>>>,
+    fail_complete: Arc<AtomicBool>,
+    claims: Arc<AtomicUsize>,
+}
+
+#[derive(Debug)]
+struct Down;
+impl std::fmt::Display for Down {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("ledger down")
+    }
+}
+impl std::error::Error for Down {}
+
+impl Ledger for MemLedger {
+    async fn claim(&self, c: &Claim<'_>) -> Result<ClaimResult, LedgerError> {
+        self.claims.fetch_add(1, Ordering::SeqCst);
+        let mut rows = self.rows.lock().unwrap();
+        if let Some(existing) = rows.get(c.scope) {
+            return Ok(ClaimResult::Existing(existing.clone()));
+        }
+        rows.insert(
+            c.scope.clone(),
+            Record {
+                fingerprint: *c.fingerprint,
+                attempt: c.attempt,
+                state: RecordState::InProgress {
+                    lease_expired: false,
+                },
+                trace_context: c.trace_context.map(str::to_owned),
+            },
+        );
+        Ok(ClaimResult::Claimed)
+    }
+
+    async fn get(&self, scope: &Scope) -> Result<Option<Record>, LedgerError> {
+        Ok(self.rows.lock().unwrap().get(scope).cloned())
+    }
+
+    async fn complete(
+        &self,
+        scope: &Scope,
+        attempt: AttemptId,
+        response: &StoredResponse,
+        _: Duration,
+    ) -> Result<Fence, LedgerError> {
+        if self.fail_complete.load(Ordering::SeqCst) {
+            return Err(LedgerError::new(Down));
+        }
+        let mut rows = self.rows.lock().unwrap();
+        match rows.get_mut(scope) {
+            Some(row) if row.attempt == attempt => {
+                row.state = RecordState::Completed(response.clone());
+                Ok(Fence::Held)
+            }
+            _ => Ok(Fence::Lost),
+        }
+    }
+
+    async fn release(&self, scope: &Scope, attempt: AttemptId) -> Result<Fence, LedgerError> {
+        let mut rows = self.rows.lock().unwrap();
+        match rows.get(scope) {
+            Some(row)
+                if row.attempt == attempt
+                    && matches!(row.state, RecordState::InProgress { .. }) =>
+            {
+                rows.remove(scope);
+                Ok(Fence::Held)
+            }
+            _ => Ok(Fence::Lost),
+        }
+    }
+}
+
+fn policy() -> Policy {
+    Policy {
+        ttl: Duration::from_secs(60),
+        lease: Duration::from_secs(30),
+        on_in_progress: OnInProgress::Reject,
+        wait_timeout: Duration::from_secs(2),
+        mismatch_status: 409,
+        release_on: default_release_statuses(),
+        store_set_cookie: false,
+    }
+}
+
+fn scope() -> Scope {
+    Scope::new(
+        "acme",
+        "POST /payments",
+        IdempotencyKey::parse(b"k-1").unwrap(),
+    )
+}
+
+fn fp(body: &str) -> Fingerprint {
+    Fingerprint::compute("POST", "/payments", BodyKind::Json, body.as_bytes()).unwrap()
+}
+
+fn response(status: u16, body: &'static str) -> StoredResponse {
+    StoredResponse {
+        status,
+        headers: vec![("content-type".into(), b"application/json".to_vec())],
+        body: Bytes::from_static(body.as_bytes()),
+    }
+}
+
+fn answered(status: u16, body: &'static str) -> Execution<u16> {
+    Execution::Responded {
+        stored: response(status, body),
+        passthrough: status,
+    }
+}
+
+async fn run(
+    engine: &Engine<MemLedger>,
+    body: &str,
+    wait: Option<Duration>,
+    result: Execution<u16>,
+) -> (Outcome<u16>, bool) {
+    let scope = scope();
+    let fingerprint = fp(body);
+    let policy = policy();
+    let executed = AtomicBool::new(false);
+    let req = Request {
+        scope: &scope,
+        fingerprint: &fingerprint,
+        policy: &policy,
+        wait,
+        trace_context: Some("00-trace-first"),
+    };
+    let outcome = engine
+        .run(req, |_| async {
+            executed.store(true, Ordering::SeqCst);
+            result
+        })
+        .await
+        .expect("ledger up");
+    (outcome, executed.load(Ordering::SeqCst))
+}
+
+#[tokio::test]
+async fn executes_once_then_replays() {
+    let engine = Engine::new(MemLedger::default());
+    let (first, ran) = run(&engine, r#"{"a":1}"#, None, answered(201, "paid")).await;
+    assert!(ran);
+    assert!(matches!(
+        first,
+        Outcome::Executed {
+            response: 201,
+            recorded: true
+        }
+    ));
+    let (second, ran) = run(&engine, r#"{ "a" : 1 }"#, None, answered(201, "again")).await;
+    assert!(!ran, "a replay never executes");
+    match second {
+        Outcome::Replayed {
+            response,
+            trace_context,
+            waited,
+        } => {
+            assert_eq!(response, self::response(201, "paid"));
+            assert_eq!(trace_context.as_deref(), Some("00-trace-first"));
+            assert!(!waited);
+        }
+        other => panic!("{other:?}"),
+    }
+}
+
+#[tokio::test]
+async fn a_different_payload_is_a_mismatch_completed_or_not() {
+    let ledger = MemLedger::default();
+    let engine = Engine::new(ledger.clone());
+    // In progress (the first attempt's outcome is unknown and the row stays).
+    run(&engine, r#"{"a":1}"#, None, Execution::Unknown).await;
+    let (outcome, ran) = run(&engine, r#"{"a":2}"#, None, answered(201, "x")).await;
+    assert!(!ran);
+    assert_eq!(outcome.name(), "mismatch");
+    // Completed.
+    ledger.rows.lock().unwrap().clear();
+    run(&engine, r#"{"a":1}"#, None, answered(201, "x")).await;
+    let (outcome, _) = run(&engine, r#"{"a":2}"#, None, answered(201, "x")).await;
+    assert_eq!(outcome.name(), "mismatch");
+}
+
+#[tokio::test]
+async fn in_progress_asks_to_retry_soon_or_later_once_the_lease_ran_out() {
+    let ledger = MemLedger::default();
+    let engine = Engine::new(ledger.clone());
+    run(&engine, "{}", None, Execution::Unknown).await;
+    let (outcome, ran) = run(&engine, "{}", None, answered(201, "x")).await;
+    assert!(!ran);
+    assert!(
+        matches!(outcome, Outcome::InProgress { retry_after, waited: false, .. } if retry_after == Duration::from_secs(1))
+    );
+    for row in ledger.rows.lock().unwrap().values_mut() {
+        row.state = RecordState::InProgress {
+            lease_expired: true,
+        };
+    }
+    let (outcome, _) = run(&engine, "{}", None, answered(201, "x")).await;
+    assert!(
+        matches!(outcome, Outcome::InProgress { retry_after, .. } if retry_after == Duration::from_secs(5))
+    );
+}
+
+#[tokio::test]
+async fn statuses_not_kept_release_the_key_so_a_retry_executes() {
+    let ledger = MemLedger::default();
+    let engine = Engine::new(ledger.clone());
+    for status in [500, 503, 429, 408] {
+        let (outcome, ran) = run(&engine, "{}", None, answered(status, "no")).await;
+        assert!(ran);
+        assert!(matches!(outcome, Outcome::Released(s) if s == status));
+        assert!(ledger.rows.lock().unwrap().is_empty(), "{status} released");
+    }
+    let (outcome, _) = run(&engine, "{}", None, answered(422, "invalid")).await;
+    assert!(
+        matches!(outcome, Outcome::Executed { .. }),
+        "4xx answers are kept"
+    );
+}
+
+#[tokio::test]
+async fn not_sent_releases_and_unknown_holds() {
+    let ledger = MemLedger::default();
+    let engine = Engine::new(ledger.clone());
+    let (outcome, _) = run(&engine, "{}", None, Execution::NotSent).await;
+    assert!(matches!(outcome, Outcome::UpstreamUnavailable));
+    assert!(ledger.rows.lock().unwrap().is_empty());
+    let (outcome, _) = run(&engine, "{}", None, Execution::Unknown).await;
+    assert!(matches!(outcome, Outcome::Unknown(UnknownCause::Upstream)));
+    assert_eq!(outcome.name(), "unknown");
+    let rows = ledger.rows.lock().unwrap();
+    assert!(matches!(
+        rows.values().next().unwrap().state,
+        RecordState::InProgress { .. }
+    ));
+}
+
+#[tokio::test]
+async fn a_result_that_cannot_be_recorded_is_not_shown_and_the_key_stays_held() {
+    let ledger = MemLedger::default();
+    ledger.fail_complete.store(true, Ordering::SeqCst);
+    let engine = Engine::new(ledger.clone());
+    let (outcome, ran) = run(&engine, "{}", None, answered(201, "paid")).await;
+    assert!(ran);
+    assert!(matches!(outcome, Outcome::Unknown(UnknownCause::Ledger)));
+    let rows = ledger.rows.lock().unwrap();
+    assert!(matches!(
+        rows.values().next().unwrap().state,
+        RecordState::InProgress { .. }
+    ));
+}
+
+#[tokio::test]
+async fn a_lost_fence_changes_nothing() {
+    let ledger = MemLedger::default();
+    let engine = Engine::new(ledger.clone());
+    let scope = scope();
+    let fingerprint = fp("{}");
+    let policy = policy();
+    let req = Request {
+        scope: &scope,
+        fingerprint: &fingerprint,
+        policy: &policy,
+        wait: None,
+        trace_context: None,
+    };
+    let outcome = engine
+        .run(req, |_| async {
+            // Meanwhile another party (the reconciler) resolved the row.
+            let mut rows = ledger.rows.lock().unwrap();
+            let row = rows.get_mut(&scope).unwrap();
+            row.attempt = AttemptId::random();
+            row.state = RecordState::Completed(response(201, "resolved"));
+            drop(rows);
+            answered(201, "late")
+        })
+        .await
+        .unwrap();
+    assert!(matches!(
+        outcome,
+        Outcome::Executed {
+            recorded: false,
+            ..
+        }
+    ));
+    let rows = ledger.rows.lock().unwrap();
+    assert_eq!(
+        rows[&scope].state,
+        RecordState::Completed(response(201, "resolved"))
+    );
+}
+
+#[tokio::test]
+async fn a_waiting_retry_gets_the_replay_when_the_first_attempt_completes() {
+    let ledger = MemLedger::default();
+    let engine = Engine::new(ledger.clone());
+    run(&engine, "{}", None, Execution::Unknown).await;
+    let completer = {
+        let ledger = ledger.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(80)).await;
+            for row in ledger.rows.lock().unwrap().values_mut() {
+                row.state = RecordState::Completed(response(201, "done"));
+            }
+        })
+    };
+    let (outcome, ran) = run(
+        &engine,
+        "{}",
+        Some(Duration::from_secs(2)),
+        answered(201, "x"),
+    )
+    .await;
+    completer.await.unwrap();
+    assert!(!ran);
+    assert!(
+        matches!(outcome, Outcome::Replayed { waited: true, ref response, .. } if response.body == "done")
+    );
+}
+
+#[tokio::test]
+async fn a_waiting_retry_executes_itself_if_the_first_attempt_released_the_key() {
+    let ledger = MemLedger::default();
+    let engine = Engine::new(ledger.clone());
+    run(&engine, "{}", None, Execution::Unknown).await;
+    let releaser = {
+        let ledger = ledger.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(80)).await;
+            ledger.rows.lock().unwrap().clear();
+        })
+    };
+    let (outcome, ran) = run(
+        &engine,
+        "{}",
+        Some(Duration::from_secs(2)),
+        answered(201, "mine"),
+    )
+    .await;
+    releaser.await.unwrap();
+    assert!(ran);
+    assert!(matches!(outcome, Outcome::Executed { recorded: true, .. }));
+}
+
+#[tokio::test]
+async fn a_wait_that_times_out_reports_in_progress() {
+    let ledger = MemLedger::default();
+    let engine = Engine::new(ledger.clone());
+    run(&engine, "{}", None, Execution::Unknown).await;
+    let before = ledger.claims.load(Ordering::SeqCst);
+    let (outcome, ran) = run(
+        &engine,
+        "{}",
+        Some(Duration::from_millis(150)),
+        answered(201, "x"),
+    )
+    .await;
+    assert!(!ran);
+    assert!(matches!(outcome, Outcome::InProgress { waited: true, .. }));
+    assert_eq!(
+        ledger.claims.load(Ordering::SeqCst),
+        before + 1,
+        "one claim, then polling reads"
+    );
+}
