@@ -8,145 +8,16 @@
 //! that says "go ahead" is always followed by the ledger's claim.
 
 use std::future::Future;
+use std::pin::pin;
 use std::time::{Duration, Instant};
 
 use crate::fingerprint::Fingerprint;
 use crate::policy::Policy;
+use crate::ports::{
+    Cache, CacheEntry, CacheProbe, Claim, ClaimResult, Fence, Ledger, LedgerError, NoCache,
+};
 use crate::record::{AttemptId, Record, RecordState, StoredResponse};
 use crate::scope::Scope;
-
-/// An error of the durable ledger (connection lost, timeout, ...). Opaque on purpose:
-/// the cause is logged where it is handled and never shown to clients.
-#[derive(Debug, thiserror::Error)]
-#[error(transparent)]
-pub struct LedgerError(#[from] pub Box<dyn std::error::Error + Send + Sync>);
-
-impl LedgerError {
-    pub fn new(e: impl std::error::Error + Send + Sync + 'static) -> Self {
-        Self(Box::new(e))
-    }
-}
-
-/// A request for a claim.
-#[derive(Debug, Clone, Copy)]
-pub struct Claim<'a> {
-    pub scope: &'a Scope,
-    pub fingerprint: &'a Fingerprint,
-    pub attempt: AttemptId,
-    pub lease: Duration,
-    pub ttl: Duration,
-    pub trace_context: Option<&'a str>,
-}
-
-/// What a claim found.
-#[derive(Debug)]
-pub enum ClaimResult {
-    /// This attempt owns the operation and must execute it.
-    Claimed,
-    /// Another attempt owns (or owned) it.
-    Existing(Record),
-}
-
-/// Whether a fenced write still held the claim.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Fence {
-    Held,
-    /// The row no longer belongs to this attempt: nothing was changed.
-    Lost,
-}
-
-/// The durable source of truth (Postgres).
-pub trait Ledger: Send + Sync {
-    /// Atomically claims the scope for `claim.attempt`, or returns the existing record.
-    /// A record past its expiry behaves as absent: it is taken over by the claim.
-    fn claim(
-        &self,
-        claim: &Claim<'_>,
-    ) -> impl Future<Output = Result<ClaimResult, LedgerError>> + Send;
-
-    /// Reads the live record of a scope (an expired one is `None`).
-    fn get(
-        &self,
-        scope: &Scope,
-    ) -> impl Future<Output = Result<Option<Record>, LedgerError>> + Send;
-
-    /// Stores the response and marks the record completed, fenced by `attempt`.
-    fn complete(
-        &self,
-        scope: &Scope,
-        attempt: AttemptId,
-        response: &StoredResponse,
-        ttl: Duration,
-    ) -> impl Future<Output = Result<Fence, LedgerError>> + Send;
-
-    /// Deletes an in-progress record so a retry may execute, fenced by `attempt`.
-    fn release(
-        &self,
-        scope: &Scope,
-        attempt: AttemptId,
-    ) -> impl Future<Output = Result<Fence, LedgerError>> + Send;
-}
-
-/// What the fast path knows about a scope, from one round trip.
-#[derive(Debug)]
-pub enum CacheProbe {
-    /// A completed response is cached.
-    Completed {
-        fingerprint: Fingerprint,
-        response: StoredResponse,
-        trace_context: Option<String>,
-    },
-    /// Another attempt holds the in-progress lock.
-    Locked,
-    /// The lock was taken for this attempt.
-    Acquired,
-    /// The cache knows nothing, or could not be asked: the ledger decides.
-    Unavailable,
-}
-
-/// The fast path (Redis). Implementations swallow and count their own errors: a cache
-/// failure only ever means "ask the ledger".
-pub trait Cache: Send + Sync {
-    fn probe(
-        &self,
-        scope: &Scope,
-        attempt: AttemptId,
-        lease: Duration,
-    ) -> impl Future<Output = CacheProbe> + Send;
-
-    /// Caches a completed response (after the ledger committed it).
-    fn fill(
-        &self,
-        scope: &Scope,
-        fingerprint: &Fingerprint,
-        response: &StoredResponse,
-        trace_context: Option<&str>,
-        ttl: Duration,
-    ) -> impl Future<Output = ()> + Send;
-
-    /// Drops this attempt's lock, if it still holds it.
-    fn unlock(&self, scope: &Scope, attempt: AttemptId) -> impl Future<Output = ()> + Send;
-}
-
-/// No cache: every request goes to the ledger.
-#[derive(Debug, Clone, Copy, Default)]
-pub struct NoCache;
-
-impl Cache for NoCache {
-    async fn probe(&self, _: &Scope, _: AttemptId, _: Duration) -> CacheProbe {
-        CacheProbe::Unavailable
-    }
-    async fn fill(
-        &self,
-        _: &Scope,
-        _: &Fingerprint,
-        _: &StoredResponse,
-        _: Option<&str>,
-        _: Duration,
-    ) {
-    }
-    async fn unlock(&self, _: &Scope, _: AttemptId) {}
-}
 
 /// What the upstream call did.
 #[derive(Debug)]
@@ -232,6 +103,13 @@ const RETRY_SOON: Duration = Duration::from_secs(1);
 const RETRY_LATER: Duration = Duration::from_secs(5);
 /// How often a released key may be re-claimed within one request.
 const MAX_CLAIM_ROUNDS: usize = 3;
+/// A cache lock younger than this turns a duplicate away without asking the ledger.
+/// An older one may be stale (its holder crashed, or its unlock was lost while the
+/// ledger completed the row), so the ledger is asked: a stale lock over a completed row
+/// must give a replay, not a 409.
+const LOCK_TRUSTED_FOR: Duration = Duration::from_secs(1);
+/// The longest pause between ledger reads while waiting for another attempt.
+const MAX_POLL: Duration = Duration::from_millis(200);
 
 /// Drives requests through a ledger and a cache.
 #[derive(Debug, Clone)]
@@ -258,6 +136,10 @@ impl<L: Ledger, C: Cache> Engine<L, C> {
         &self.ledger
     }
 
+    pub fn cache(&self) -> &C {
+        &self.cache
+    }
+
     /// Runs one request. `execute` is called at most once, and only after the ledger
     /// granted this attempt the claim.
     pub async fn run<R, F, Fut>(
@@ -270,31 +152,32 @@ impl<L: Ledger, C: Cache> Engine<L, C> {
         Fut: Future<Output = Execution<R>>,
     {
         let attempt = AttemptId::random();
-        let policy = req.policy;
-        match self.cache.probe(req.scope, attempt, policy.lease).await {
-            CacheProbe::Completed {
-                fingerprint,
-                response,
-                trace_context,
-            } => {
-                return Ok(if fingerprint == *req.fingerprint {
+        let mut locked = false;
+        match self.cache.probe(req.scope, attempt, req.policy.lease).await {
+            CacheProbe::Completed(entry) => {
+                return Ok(if entry.fingerprint == *req.fingerprint {
                     Outcome::Replayed {
-                        response,
-                        trace_context,
+                        response: entry.response,
+                        trace_context: entry.trace_context,
                         waited: false,
                     }
                 } else {
-                    Outcome::Mismatch { trace_context }
+                    Outcome::Mismatch {
+                        trace_context: entry.trace_context,
+                    }
                 });
             }
-            CacheProbe::Locked if req.wait.is_none() => {
+            CacheProbe::Locked { held_for }
+                if held_for < LOCK_TRUSTED_FOR && req.wait.is_none() =>
+            {
                 return Ok(Outcome::InProgress {
                     retry_after: RETRY_SOON,
                     trace_context: None,
                     waited: false,
                 });
             }
-            CacheProbe::Locked | CacheProbe::Acquired | CacheProbe::Unavailable => {}
+            CacheProbe::Acquired => locked = true,
+            CacheProbe::Locked { .. } | CacheProbe::Unavailable => {}
         }
 
         let deadline = req.wait.map(|w| Instant::now() + w);
@@ -302,25 +185,24 @@ impl<L: Ledger, C: Cache> Engine<L, C> {
             scope: req.scope,
             fingerprint: req.fingerprint,
             attempt,
-            lease: policy.lease,
-            ttl: policy.ttl,
+            lease: req.policy.lease,
+            ttl: req.policy.ttl,
             trace_context: req.trace_context,
         };
         let mut execute = Some(execute);
         let mut waited = false;
         for _ in 0..MAX_CLAIM_ROUNDS {
-            let record = match self.ledger.claim(&claim).await {
-                Ok(ClaimResult::Claimed) => {
+            let claimed = self.ledger.claim(&claim).await;
+            if !matches!(claimed, Ok(ClaimResult::Claimed)) && std::mem::take(&mut locked) {
+                self.cache.unlock(req.scope, attempt).await;
+            }
+            let record = match claimed? {
+                ClaimResult::Claimed => {
                     let execute = execute.take().expect("executed at most once");
                     return Ok(self.execute(req, attempt, execute).await);
                 }
-                Ok(ClaimResult::Existing(record)) => record,
-                Err(e) => {
-                    self.cache.unlock(req.scope, attempt).await;
-                    return Err(e);
-                }
+                ClaimResult::Existing(record) => record,
             };
-            self.cache.unlock(req.scope, attempt).await;
             let record = match self.settle(req, record, waited).await {
                 Settled::Done(outcome) => return Ok(outcome),
                 Settled::Running(record) => record,
@@ -347,6 +229,7 @@ impl<L: Ledger, C: Cache> Engine<L, C> {
 
     /// Decides what an existing record means for this request.
     async fn settle<R>(&self, req: Request<'_>, record: Record, waited: bool) -> Settled<R> {
+        let read_at = Instant::now();
         if record.fingerprint != *req.fingerprint {
             return Settled::Done(Outcome::Mismatch {
                 trace_context: record.trace_context,
@@ -354,18 +237,21 @@ impl<L: Ledger, C: Cache> Engine<L, C> {
         }
         match record.state {
             RecordState::Completed(response) => {
-                self.cache
-                    .fill(
-                        req.scope,
-                        &record.fingerprint,
-                        &response,
-                        record.trace_context.as_deref(),
-                        req.policy.ttl,
-                    )
-                    .await;
-                Settled::Done(Outcome::Replayed {
+                let entry = CacheEntry {
+                    fingerprint: record.fingerprint,
                     response,
                     trace_context: record.trace_context,
+                };
+                if let Some(left) = record.expires_in {
+                    // Never let the cached copy outlive the row.
+                    let ttl = left.saturating_sub(read_at.elapsed());
+                    if !ttl.is_zero() {
+                        self.cache.fill(req.scope, &entry, ttl).await;
+                    }
+                }
+                Settled::Done(Outcome::Replayed {
+                    response: entry.response,
+                    trace_context: entry.trace_context,
                     waited,
                 })
             }
@@ -373,23 +259,21 @@ impl<L: Ledger, C: Cache> Engine<L, C> {
         }
     }
 
-    /// Polls the ledger until the record leaves `in_progress` or the deadline passes.
+    /// Polls the ledger until the record leaves `in_progress` or the deadline passes,
+    /// woken early when the cache announces a change.
     async fn wait(&self, req: Request<'_>, deadline: Instant) -> Result<Waited, LedgerError> {
         let mut interval = Duration::from_millis(10);
         loop {
             let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() {
-                return match self.ledger.get(req.scope).await? {
-                    Some(record) => Ok(Waited::Settled(record)),
-                    None => Ok(Waited::Released),
-                };
+            if !left.is_zero() {
+                let changed = pin!(self.cache.changed(req.scope));
+                let _ = tokio::time::timeout(interval.min(left), changed).await;
+                interval = (interval * 2).min(MAX_POLL);
             }
-            tokio::time::sleep(interval.min(left)).await;
-            interval = (interval * 2).min(Duration::from_millis(200));
             match self.ledger.get(req.scope).await? {
                 None => return Ok(Waited::Released),
                 Some(record) if matches!(record.state, RecordState::InProgress { .. }) => {
-                    if record.fingerprint != *req.fingerprint {
+                    if record.fingerprint != *req.fingerprint || Instant::now() >= deadline {
                         return Ok(Waited::Settled(record));
                     }
                 }
@@ -414,22 +298,21 @@ impl<L: Ledger, C: Cache> Engine<L, C> {
                 stored,
                 passthrough,
             } if req.policy.keeps(stored.status) => {
+                let committing = Instant::now();
                 match self
                     .ledger
                     .complete(scope, attempt, &stored, req.policy.ttl)
                     .await
                 {
                     Ok(Fence::Held) => {
-                        self.cache
-                            .fill(
-                                scope,
-                                req.fingerprint,
-                                &stored,
-                                req.trace_context,
-                                req.policy.ttl,
-                            )
-                            .await;
-                        self.cache.unlock(scope, attempt).await;
+                        let entry = CacheEntry {
+                            fingerprint: *req.fingerprint,
+                            response: stored,
+                            trace_context: req.trace_context.map(str::to_owned),
+                        };
+                        // The row expires `ttl` after its commit, which came after `committing`.
+                        let ttl = req.policy.ttl.saturating_sub(committing.elapsed());
+                        self.cache.complete(scope, attempt, &entry, ttl).await;
                         Outcome::Executed {
                             response: passthrough,
                             recorded: true,
@@ -440,6 +323,7 @@ impl<L: Ledger, C: Cache> Engine<L, C> {
                             ?scope,
                             "completion fenced out: the row was resolved by another party"
                         );
+                        self.cache.unlock(scope, attempt).await;
                         Outcome::Executed {
                             response: passthrough,
                             recorded: false,
@@ -459,6 +343,7 @@ impl<L: Ledger, C: Cache> Engine<L, C> {
                 self.release(scope, attempt).await;
                 Outcome::UpstreamUnavailable
             }
+            // The cache lock is left to expire with the lease: the ledger holds the key.
             Execution::Unknown => Outcome::Unknown(UnknownCause::Upstream),
         }
     }

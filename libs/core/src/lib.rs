@@ -7,8 +7,8 @@
 //! - [`record`]: what the ledger stores per scope, and the attempt's fencing token.
 //! - [`policy`]: per-route TTL, lease, wait and keep/release rules.
 //! - [`headers`]: which response headers are replayed.
-//! - [`engine`]: claim → execute → complete/release over the [`engine::Ledger`] and
-//!   [`engine::Cache`] traits that the storage adapters implement.
+//! - [`ports`]: the [`Ledger`] and [`Cache`] traits that the storage adapters implement.
+//! - [`engine`]: claim → execute → complete/release over those two.
 #![forbid(unsafe_code)]
 
 pub mod canonical;
@@ -17,15 +17,17 @@ pub mod fingerprint;
 pub mod headers;
 pub mod key;
 pub mod policy;
+pub mod ports;
 pub mod record;
 pub mod scope;
 
-pub use engine::{
-    Cache, CacheProbe, Claim, ClaimResult, Engine, Execution, Fence, Ledger, LedgerError, NoCache,
-    Outcome, Request, UnknownCause,
-};
+pub use engine::{Engine, Execution, Outcome, Request, UnknownCause};
 pub use fingerprint::{BodyKind, Fingerprint};
 pub use key::{IdempotencyKey, KeyError};
 pub use policy::{OnInProgress, Policy, StatusSet};
+pub use ports::{
+    Cache, CacheEntry, CacheProbe, Claim, ClaimResult, Fence, Ledger, LedgerError, MaybeCache,
+    NoCache,
+};
 pub use record::{AttemptId, Record, RecordState, StoredResponse};
 pub use scope::Scope;

@@ -44,4 +44,6 @@ pub struct Record {
     pub state: RecordState,
     /// The W3C `traceparent` of the first execution, for linking retries to it.
     pub trace_context: Option<String>,
+    /// How long the record still lives, by the ledger's clock when it was read.
+    pub expires_in: Option<std::time::Duration>,
 }

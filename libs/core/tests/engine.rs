@@ -45,6 +45,7 @@ impl Ledger for MemLedger {
                     lease_expired: false,
                 },
                 trace_context: c.trace_context.map(str::to_owned),
+                expires_in: Some(c.ttl),
             },
         );
         Ok(ClaimResult::Claimed)

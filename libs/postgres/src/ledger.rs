@@ -4,6 +4,8 @@
 //! database: the claim is an upsert that inserts a new row or takes over an expired
 //! one, and completion and release are fenced by the attempt token.
 
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -27,11 +29,22 @@ pub struct PgLedger {
     pool: PgPool,
     /// Upper bound on one ledger call, so a hung connection cannot hang a request.
     op_timeout: Duration,
+    /// Statements sent, for metrics and for tests that prove a path never touched Postgres.
+    calls: Arc<AtomicU64>,
 }
 
 impl PgLedger {
     pub fn new(pool: PgPool, op_timeout: Duration) -> Self {
-        Self { pool, op_timeout }
+        Self {
+            pool,
+            op_timeout,
+            calls: Arc::default(),
+        }
+    }
+
+    /// How many statements this ledger (and its clones) has sent.
+    pub fn calls(&self) -> u64 {
+        self.calls.load(Ordering::Relaxed)
     }
 
     pub fn pool(&self) -> &PgPool {
@@ -42,6 +55,7 @@ impl PgLedger {
         &self,
         fut: impl Future<Output = Result<T, sqlx::Error>>,
     ) -> Result<T, LedgerError> {
+        self.calls.fetch_add(1, Ordering::Relaxed);
         match tokio::time::timeout(self.op_timeout, fut).await {
             Ok(result) => result.map_err(LedgerError::new),
             Err(_) => Err(LedgerError::new(crate::Timeout(self.op_timeout))),
@@ -167,7 +181,8 @@ macro_rules! record_columns {
     () => {
         "k.request_hash, k.status, k.attempt, \
          coalesce(k.locked_until <= now(), false) AS lease_expired, \
-         k.response_status, k.response_headers, k.response_body, k.trace_context"
+         k.response_status, k.response_headers, k.response_body, k.trace_context, \
+         (extract(epoch from (k.expires_at - now())) * 1000)::float8 AS expires_in_ms"
     };
 }
 
@@ -244,5 +259,9 @@ fn record(row: &PgRow) -> Result<Record, LedgerError> {
         attempt: AttemptId(row.try_get("attempt").map_err(LedgerError::new)?),
         state,
         trace_context: row.try_get("trace_context").map_err(LedgerError::new)?,
+        expires_in: row
+            .try_get::<Option<f64>, _>("expires_in_ms")
+            .map_err(LedgerError::new)?
+            .map(|ms| Duration::from_secs_f64(ms.max(0.0) / 1000.0)),
     })
 }

@@ -14,8 +14,9 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use http::StatusCode;
 use idem_auth::Authenticator;
-use idem_core::Engine;
+use idem_core::{Engine, MaybeCache};
 use idem_postgres::{PgLedger, PoolSettings};
+use idem_redis::{RedisCache, RedisSettings};
 use secrecy::ExposeSecret;
 use serde_json::json;
 use tokio::net::TcpListener;
@@ -30,10 +31,9 @@ use crate::upstream::{self, HttpClient};
 pub struct AppState {
     pub auth: Authenticator,
     pub routes: RouteTable,
-    pub engine: Engine<PgLedger>,
+    pub engine: Engine<PgLedger, MaybeCache<RedisCache>>,
     pub client: HttpClient,
     pub max_body_bytes: usize,
-    pub redis_configured: bool,
     /// Forward-and-store tasks, awaited on shutdown.
     pub tasks: TaskTracker,
 }
@@ -70,9 +70,14 @@ impl Application {
                 .await
                 .context("applying migrations")?;
         }
-        if config.redis.is_some() {
-            tracing::warn!("[redis] is configured but this version serves from Postgres alone");
-        }
+        let cache = match &config.redis {
+            Some(redis) => MaybeCache::Some(
+                RedisCache::start(&redis_settings(redis))
+                    .await
+                    .map_err(|e| anyhow::anyhow!("redis: {e}"))?,
+            ),
+            None => MaybeCache::None,
+        };
         let listener = TcpListener::bind(config.server.listen)
             .await
             .with_context(|| format!("binding server.listen = {}", config.server.listen))?;
@@ -80,10 +85,9 @@ impl Application {
         let state = AppState {
             auth,
             routes: config.routes,
-            engine: Engine::new(PgLedger::new(pool, op_timeout)),
+            engine: Engine::with_cache(PgLedger::new(pool, op_timeout), cache),
             client: upstream::client(),
             max_body_bytes: config.server.max_body_bytes,
-            redis_configured: config.redis.is_some(),
             tasks: TaskTracker::new(),
         };
         Ok(Self {
@@ -91,6 +95,11 @@ impl Application {
             state: Arc::new(state),
             grace: config.server.shutdown_grace,
         })
+    }
+
+    /// The shared state (for tests and embedding: ledger and cache counters).
+    pub fn state(&self) -> Arc<AppState> {
+        self.state.clone()
     }
 
     pub fn local_addr(&self) -> SocketAddr {
@@ -135,6 +144,24 @@ impl Application {
     }
 }
 
+fn redis_settings(redis: &crate::config::RedisConfig) -> RedisSettings {
+    let (urls, cluster) = match (&redis.url, &redis.cluster_urls) {
+        (Some(url), _) => (vec![url.expose_secret().to_owned()], false),
+        (None, Some(urls)) => (
+            urls.iter().map(|u| u.expose_secret().to_owned()).collect(),
+            true,
+        ),
+        (None, None) => (Vec::new(), false),
+    };
+    RedisSettings {
+        urls,
+        cluster,
+        prefix: redis.prefix.clone(),
+        timeout: redis.timeout,
+        probe_interval: redis.probe_interval,
+    }
+}
+
 fn pool_settings(config: &Config) -> PoolSettings {
     PoolSettings {
         max_connections: config.postgres.max_connections,
@@ -148,6 +175,7 @@ pub fn router(state: Arc<AppState>) -> Router {
     Router::new()
         .route("/healthz", get(|| async { "ok" }))
         .route("/readyz", get(readyz))
+        .route("/metrics", get(metrics))
         .fallback(handler::handle)
         .with_state(state)
 }
@@ -160,10 +188,10 @@ async fn readyz(State(app): State<Arc<AppState>>) -> Response {
     )
     .await
     .is_ok_and(|r| r.is_ok());
-    let redis = if app.redis_configured {
-        "unused"
-    } else {
-        "not configured"
+    let redis = match app.engine.cache() {
+        MaybeCache::Some(cache) if cache.stats().up => "up",
+        MaybeCache::Some(_) => "down (serving from Postgres alone)",
+        MaybeCache::None => "not configured",
     };
     let body = json!({
         "status": if postgres { "ready" } else { "not ready" },
@@ -176,4 +204,61 @@ async fn readyz(State(app): State<Arc<AppState>>) -> Response {
         StatusCode::SERVICE_UNAVAILABLE
     };
     (status, axum::Json(body)).into_response()
+}
+
+/// Prometheus text. A first cut: the fast path's state and counters and the ledger's
+/// statement count.
+async fn metrics(State(app): State<Arc<AppState>>) -> Response {
+    use std::fmt::Write;
+    let mut out = String::new();
+    let mut counter = |name: &str, help: &str, kind: &str, value: u64| {
+        let _ = writeln!(
+            out,
+            "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {value}"
+        );
+    };
+    counter(
+        "idemgate_ledger_statements_total",
+        "Statements sent to the Postgres ledger.",
+        "counter",
+        app.engine.ledger().calls(),
+    );
+    if let MaybeCache::Some(cache) = app.engine.cache() {
+        let s = cache.stats();
+        counter(
+            "idemgate_cache_up",
+            "1 while the Redis breaker is closed.",
+            "gauge",
+            u64::from(s.up),
+        );
+        counter(
+            "idemgate_cache_hits_total",
+            "Replays served from Redis.",
+            "counter",
+            s.hits,
+        );
+        counter(
+            "idemgate_cache_misses_total",
+            "Fast-path probes that found no cached response.",
+            "counter",
+            s.misses,
+        );
+        counter(
+            "idemgate_cache_errors_total",
+            "Redis calls that failed or timed out.",
+            "counter",
+            s.errors,
+        );
+        counter(
+            "idemgate_cache_skipped_total",
+            "Redis calls skipped while the breaker was open.",
+            "counter",
+            s.skipped,
+        );
+    }
+    (
+        [(http::header::CONTENT_TYPE, "text/plain; version=0.0.4")],
+        out,
+    )
+        .into_response()
 }

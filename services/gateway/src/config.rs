@@ -13,7 +13,10 @@
 //! | `postgres.max_connections` | `16` | pool size |
 //! | `postgres.acquire_timeout` | `2s` | wait for a pooled connection |
 //! | `postgres.statement_timeout` | `5s` | server-side limit per statement |
-//! | `redis.url` | (none) | the fast path (used from the Redis issue on) |
+//! | `redis.url` / `redis.cluster_urls` | (none) | the fast path; without `[redis]`, Postgres alone |
+//! | `redis.prefix` | `idem:` | prepended to every Redis key |
+//! | `redis.timeout` | `100ms` | per Redis call; past it the breaker opens |
+//! | `redis.probe_interval` | `1s` | how often an open breaker probes Redis |
 //! | `auth.*` | | see `idem_auth::AuthConfig` |
 //! | `idempotency.ttl` | `24h` | how long a completed key is replayed |
 //! | `idempotency.lease` | `30s` | protection of an in-progress claim |
@@ -120,11 +123,75 @@ fn default_statement_timeout() -> Duration {
     Duration::from_secs(5)
 }
 
-/// `[redis]`: accepted now, used by the Redis fast path.
+/// `[redis]`: the fast path. Without this section, Postgres alone serves.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct RedisConfig {
-    pub url: SecretString,
+    /// One Redis node.
+    pub url: Option<SecretString>,
+    /// Or the seed nodes of a Redis Cluster.
+    pub cluster_urls: Option<Vec<SecretString>>,
+    #[serde(default = "default_redis_prefix")]
+    pub prefix: String,
+    /// Upper bound on one Redis call; past it the breaker opens and Postgres serves.
+    #[serde(default = "default_redis_timeout", with = "humantime_serde")]
+    pub timeout: Duration,
+    /// How often an open breaker probes Redis again.
+    #[serde(default = "default_redis_probe", with = "humantime_serde")]
+    pub probe_interval: Duration,
+}
+
+fn default_redis_prefix() -> String {
+    "idem:".into()
+}
+fn default_redis_timeout() -> Duration {
+    Duration::from_millis(100)
+}
+fn default_redis_probe() -> Duration {
+    Duration::from_secs(1)
+}
+
+impl RedisConfig {
+    fn validate(&self) -> Result<(), ConfigError> {
+        match (&self.url, &self.cluster_urls) {
+            (Some(_), None) => {}
+            (None, Some(urls)) if !urls.is_empty() => {}
+            (None, Some(_)) => {
+                return Err(ConfigError::new(
+                    "redis.cluster_urls",
+                    "must list at least one node",
+                ));
+            }
+            (None, None) => {
+                return Err(ConfigError::new(
+                    "redis",
+                    "set url (one node) or cluster_urls (a cluster)",
+                ));
+            }
+            (Some(_), Some(_)) => {
+                return Err(ConfigError::new(
+                    "redis",
+                    "set url or cluster_urls, not both",
+                ));
+            }
+        }
+        if self.prefix.contains(['{', '}']) {
+            return Err(ConfigError::new(
+                "redis.prefix",
+                "must not contain '{' or '}' (they delimit the hash tag)",
+            ));
+        }
+        if self.timeout.is_zero() {
+            return Err(ConfigError::new("redis.timeout", "must be greater than 0"));
+        }
+        if self.probe_interval.is_zero() {
+            return Err(ConfigError::new(
+                "redis.probe_interval",
+                "must be greater than 0",
+            ));
+        }
+        Ok(())
+    }
 }
 
 #[derive(Debug, Deserialize)]
@@ -288,6 +355,9 @@ impl RawConfig {
             return Err(
                 ConfigError::new("postgres.max_connections", "must be greater than 0").into(),
             );
+        }
+        if let Some(redis) = &self.redis {
+            redis.validate()?;
         }
         let defaults = self.idempotency.policy()?;
         let mut routes = Vec::with_capacity(self.routes.len());
@@ -605,6 +675,30 @@ mod tests {
         );
         assert_eq!(route.probe.as_ref().unwrap().path, "/payments/by-key/{key}");
         assert!(route.policy.keeps(429));
+    }
+
+    #[test]
+    fn redis_needs_one_of_url_or_cluster_urls() {
+        assert!(
+            with("[redis]\nurl = \"redis://127.0.0.1:6379\"")
+                .unwrap()
+                .redis
+                .is_some()
+        );
+        assert!(with("[redis]\ncluster_urls = [\"redis://127.0.0.1:7000\"]").is_ok());
+        assert_eq!(error_key("[redis]\nprefix = \"x\""), "redis");
+        assert_eq!(
+            error_key("[redis]\nurl = \"redis://a\"\ncluster_urls = [\"redis://b\"]"),
+            "redis"
+        );
+        assert_eq!(
+            error_key("[redis]\nurl = \"redis://a\"\nprefix = \"{x}\""),
+            "redis.prefix"
+        );
+        assert_eq!(
+            error_key("[redis]\nurl = \"redis://a\"\ntimeout = \"fast\""),
+            "redis.timeout"
+        );
     }
 
     #[test]

@@ -254,6 +254,7 @@ pub fn payments_routes(demo: &Demo, route_extra: &str) -> String {
 /// A gateway running in this process, stopped when dropped (or via `stop`).
 pub struct Gateway {
     pub addr: SocketAddr,
+    pub state: std::sync::Arc<idemgate::app::AppState>,
     stop: Option<tokio::sync::oneshot::Sender<()>>,
     pub task: Option<tokio::task::JoinHandle<anyhow::Result<()>>>,
 }
@@ -264,12 +265,14 @@ impl Gateway {
             .await
             .unwrap_or_else(|e| panic!("gateway failed to start: {e:#}"));
         let addr = app.local_addr();
+        let state = app.state();
         let (tx, rx) = tokio::sync::oneshot::channel();
         let task = tokio::spawn(app.run_until_stopped(async {
             let _ = rx.await;
         }));
         Self {
             addr,
+            state,
             stop: Some(tx),
             task: Some(task),
         }
@@ -277,6 +280,19 @@ impl Gateway {
 
     pub fn url(&self, path: &str) -> String {
         format!("http://{}{}", self.addr, path)
+    }
+
+    /// Statements this gateway has sent to Postgres.
+    pub fn ledger_calls(&self) -> u64 {
+        self.state.engine.ledger().calls()
+    }
+
+    /// The Redis fast path's counters (panics if `[redis]` is not configured).
+    pub fn cache_stats(&self) -> idem_redis::CacheStats {
+        match self.state.engine.cache() {
+            idem_core::MaybeCache::Some(cache) => cache.stats(),
+            idem_core::MaybeCache::None => panic!("this gateway has no [redis]"),
+        }
     }
 
     /// Signals shutdown; returns the serve task to await.
@@ -443,4 +459,123 @@ pub fn payment(order: &str, amount: u64) -> String {
 /// A fresh key.
 pub fn new_key() -> String {
     format!("key-{}", uuid::Uuid::new_v4())
+}
+
+/// A free TCP port on 127.0.0.1 (and, for cluster nodes, its bus port + 10000 too).
+pub fn free_port(with_bus: bool) -> u16 {
+    loop {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        if !with_bus {
+            return port;
+        }
+        if port < 55_000 && std::net::TcpListener::bind(("127.0.0.1", port + 10_000)).is_ok() {
+            return port;
+        }
+    }
+}
+
+/// A redis-server process of this test's own, on its own port, killed when dropped.
+pub struct RedisServer {
+    pub port: u16,
+    args: Vec<String>,
+    child: Option<std::process::Child>,
+    dir: Option<PathBuf>,
+}
+
+impl RedisServer {
+    pub fn start(args: &[&str]) -> Self {
+        let mut server = Self {
+            port: free_port(args.contains(&"--cluster-enabled")),
+            args: args.iter().map(|a| a.to_string()).collect(),
+            child: None,
+            dir: None,
+        };
+        server.spawn();
+        server
+    }
+
+    fn spawn(&mut self) {
+        let dir = std::env::temp_dir().join(format!(
+            "idemgate-redis-{}-{}",
+            self.port,
+            uuid::Uuid::new_v4().simple()
+        ));
+        std::fs::create_dir_all(&dir).unwrap();
+        let child = std::process::Command::new("redis-server")
+            .args([
+                "--port",
+                &self.port.to_string(),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+            ])
+            .arg("--dir")
+            .arg(&dir)
+            .args(&self.args)
+            .stdout(Stdio::null())
+            .spawn()
+            .unwrap_or_else(|e| {
+                panic!("redis-server could not start ({e}): install it with scripts/dev-services")
+            });
+        self.child = Some(child);
+        self.dir = Some(dir);
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while self.cli(&["PING"]).trim() != "PONG" {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "redis-server on port {} did not answer",
+                self.port
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    pub fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}", self.port)
+    }
+
+    /// Runs redis-cli against this server and returns its output.
+    pub fn cli(&self, args: &[&str]) -> String {
+        let out = std::process::Command::new("redis-cli")
+            .args(["-h", "127.0.0.1", "-p", &self.port.to_string()])
+            .args(args)
+            .output()
+            .expect("redis-cli runs");
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    }
+
+    /// SIGKILL: the server vanishes with its data, as in a crash.
+    pub fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+        if let Some(dir) = self.dir.take() {
+            let _ = std::fs::remove_dir_all(dir);
+        }
+    }
+
+    /// Starts it again on the same port, empty.
+    pub fn restart(&mut self) {
+        self.kill();
+        self.spawn();
+    }
+}
+
+impl Drop for RedisServer {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// The `[redis]` section for one server, with short timeouts for tests.
+pub fn redis_section(url: &str) -> String {
+    format!("[redis]\nurl = \"{url}\"\ntimeout = \"200ms\"\nprobe_interval = \"200ms\"\n")
 }

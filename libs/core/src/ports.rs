@@ -1,0 +1,194 @@
+//! The two stores the engine talks to: the durable [`Ledger`] (Postgres) and the fast
+//! [`Cache`] (Redis). Adapters implement these; the engine never sees SQL or Redis.
+
+use std::future::Future;
+use std::time::Duration;
+
+use crate::fingerprint::Fingerprint;
+use crate::record::{AttemptId, Record, StoredResponse};
+use crate::scope::Scope;
+
+/// An error of the durable ledger (connection lost, timeout, ...). Opaque on purpose:
+/// the cause is logged where it is handled and never shown to clients.
+#[derive(Debug, thiserror::Error)]
+#[error(transparent)]
+pub struct LedgerError(#[from] pub Box<dyn std::error::Error + Send + Sync>);
+
+impl LedgerError {
+    pub fn new(e: impl std::error::Error + Send + Sync + 'static) -> Self {
+        Self(Box::new(e))
+    }
+}
+
+/// A request for a claim.
+#[derive(Debug, Clone, Copy)]
+pub struct Claim<'a> {
+    pub scope: &'a Scope,
+    pub fingerprint: &'a Fingerprint,
+    pub attempt: AttemptId,
+    pub lease: Duration,
+    pub ttl: Duration,
+    pub trace_context: Option<&'a str>,
+}
+
+/// What a claim found.
+#[derive(Debug)]
+pub enum ClaimResult {
+    /// This attempt owns the operation and must execute it.
+    Claimed,
+    /// Another attempt owns (or owned) it.
+    Existing(Record),
+}
+
+/// Whether a fenced write still held the claim.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fence {
+    Held,
+    /// The row no longer belongs to this attempt: nothing was changed.
+    Lost,
+}
+
+/// The durable source of truth (Postgres). Only the ledger decides that an operation
+/// may execute.
+pub trait Ledger: Send + Sync {
+    /// Atomically claims the scope for `claim.attempt`, or returns the existing record.
+    /// A record past its expiry behaves as absent: it is taken over by the claim.
+    fn claim(
+        &self,
+        claim: &Claim<'_>,
+    ) -> impl Future<Output = Result<ClaimResult, LedgerError>> + Send;
+
+    /// Reads the live record of a scope (an expired one is `None`).
+    fn get(
+        &self,
+        scope: &Scope,
+    ) -> impl Future<Output = Result<Option<Record>, LedgerError>> + Send;
+
+    /// Stores the response and marks the record completed, fenced by `attempt`.
+    fn complete(
+        &self,
+        scope: &Scope,
+        attempt: AttemptId,
+        response: &StoredResponse,
+        ttl: Duration,
+    ) -> impl Future<Output = Result<Fence, LedgerError>> + Send;
+
+    /// Deletes an in-progress record so a retry may execute, fenced by `attempt`.
+    fn release(
+        &self,
+        scope: &Scope,
+        attempt: AttemptId,
+    ) -> impl Future<Output = Result<Fence, LedgerError>> + Send;
+}
+
+/// A completed operation as the cache holds it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CacheEntry {
+    pub fingerprint: Fingerprint,
+    pub response: StoredResponse,
+    pub trace_context: Option<String>,
+}
+
+/// What the fast path knows about a scope, from one round trip.
+#[derive(Debug)]
+pub enum CacheProbe {
+    /// A completed response is cached.
+    Completed(CacheEntry),
+    /// Another attempt took the in-progress lock `held_for` ago.
+    Locked { held_for: Duration },
+    /// The lock was taken for this attempt.
+    Acquired,
+    /// The cache could not be asked (down, slow, circuit open): the ledger decides.
+    Unavailable,
+}
+
+/// The fast path (Redis). Implementations swallow and count their own errors: a cache
+/// failure only ever means "ask the ledger". Nothing a cache says can make an operation
+/// execute; at most it can turn a request away early.
+pub trait Cache: Send + Sync {
+    /// One round trip: the cached response, or the lock's state (taking it if free).
+    fn probe(
+        &self,
+        scope: &Scope,
+        attempt: AttemptId,
+        lease: Duration,
+    ) -> impl Future<Output = CacheProbe> + Send;
+
+    /// Caches a completed response read from the ledger. `ttl` must not outlive the row.
+    fn fill(
+        &self,
+        scope: &Scope,
+        entry: &CacheEntry,
+        ttl: Duration,
+    ) -> impl Future<Output = ()> + Send;
+
+    /// After the ledger committed this attempt's result: cache it, drop the attempt's
+    /// lock and wake waiting retries, in one round trip where possible.
+    fn complete(
+        &self,
+        scope: &Scope,
+        attempt: AttemptId,
+        entry: &CacheEntry,
+        ttl: Duration,
+    ) -> impl Future<Output = ()> + Send;
+
+    /// Drops this attempt's lock (if it still holds it) and wakes waiting retries.
+    fn unlock(&self, scope: &Scope, attempt: AttemptId) -> impl Future<Output = ()> + Send;
+
+    /// Resolves when the scope may have changed (a completion or release was announced).
+    /// A cache that cannot tell never resolves; the engine polls the ledger anyway.
+    fn changed(&self, scope: &Scope) -> impl Future<Output = ()> + Send;
+}
+
+/// No cache: every request goes to the ledger.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct NoCache;
+
+impl Cache for NoCache {
+    async fn probe(&self, _: &Scope, _: AttemptId, _: Duration) -> CacheProbe {
+        CacheProbe::Unavailable
+    }
+    async fn fill(&self, _: &Scope, _: &CacheEntry, _: Duration) {}
+    async fn complete(&self, _: &Scope, _: AttemptId, _: &CacheEntry, _: Duration) {}
+    async fn unlock(&self, _: &Scope, _: AttemptId) {}
+    async fn changed(&self, _: &Scope) {
+        std::future::pending::<()>().await
+    }
+}
+
+/// Either a cache or none, chosen at start-up (`[redis]` present or not).
+#[derive(Debug, Clone)]
+pub enum MaybeCache<C> {
+    Some(C),
+    None,
+}
+
+impl<C: Cache> Cache for MaybeCache<C> {
+    async fn probe(&self, scope: &Scope, attempt: AttemptId, lease: Duration) -> CacheProbe {
+        match self {
+            Self::Some(c) => c.probe(scope, attempt, lease).await,
+            Self::None => CacheProbe::Unavailable,
+        }
+    }
+    async fn fill(&self, scope: &Scope, entry: &CacheEntry, ttl: Duration) {
+        if let Self::Some(c) = self {
+            c.fill(scope, entry, ttl).await;
+        }
+    }
+    async fn complete(&self, scope: &Scope, attempt: AttemptId, entry: &CacheEntry, ttl: Duration) {
+        if let Self::Some(c) = self {
+            c.complete(scope, attempt, entry, ttl).await;
+        }
+    }
+    async fn unlock(&self, scope: &Scope, attempt: AttemptId) {
+        if let Self::Some(c) = self {
+            c.unlock(scope, attempt).await;
+        }
+    }
+    async fn changed(&self, scope: &Scope) {
+        match self {
+            Self::Some(c) => c.changed(scope).await,
+            Self::None => std::future::pending::<()>().await,
+        }
+    }
+}

@@ -1,0 +1,122 @@
+//! The cached response's binary form:
+//!
+//! ```text
+//! version u8 (1) | fingerprint [32] | status u16 | trace len u16 | trace
+//! | header count u16 | (name len u16 | name | value len u32 | value)* | body
+//! ```
+
+use bytes::Bytes;
+use idem_core::{CacheEntry, Fingerprint, StoredResponse};
+
+const VERSION: u8 = 1;
+
+pub fn encode(entry: &CacheEntry) -> Vec<u8> {
+    let r = &entry.response;
+    let trace = entry.trace_context.as_deref().unwrap_or("").as_bytes();
+    let headers: usize = r.headers.iter().map(|(n, v)| 6 + n.len() + v.len()).sum();
+    let mut out = Vec::with_capacity(1 + 32 + 2 + 2 + trace.len() + 2 + headers + r.body.len());
+    out.push(VERSION);
+    out.extend_from_slice(entry.fingerprint.as_bytes());
+    out.extend_from_slice(&r.status.to_be_bytes());
+    out.extend_from_slice(&(trace.len() as u16).to_be_bytes());
+    out.extend_from_slice(trace);
+    out.extend_from_slice(&(r.headers.len() as u16).to_be_bytes());
+    for (name, value) in &r.headers {
+        out.extend_from_slice(&(name.len() as u16).to_be_bytes());
+        out.extend_from_slice(name.as_bytes());
+        out.extend_from_slice(&(value.len() as u32).to_be_bytes());
+        out.extend_from_slice(value);
+    }
+    out.extend_from_slice(&r.body);
+    out
+}
+
+/// `None` if the bytes are not a cache entry of this version.
+pub fn decode(bytes: &[u8]) -> Option<CacheEntry> {
+    let mut r = Reader(bytes);
+    if r.take(1)? != [VERSION] {
+        return None;
+    }
+    let fingerprint = Fingerprint::from_bytes(r.take(32)?.try_into().ok()?);
+    let status = r.u16()?;
+    let trace_len = usize::from(r.u16()?);
+    let trace = std::str::from_utf8(r.take(trace_len)?).ok()?;
+    let count = r.u16()?;
+    let mut headers = Vec::with_capacity(usize::from(count));
+    for _ in 0..count {
+        let name_len = usize::from(r.u16()?);
+        let name = std::str::from_utf8(r.take(name_len)?).ok()?.to_owned();
+        let value_len = r.u32()? as usize;
+        headers.push((name, r.take(value_len)?.to_vec()));
+    }
+    Some(CacheEntry {
+        fingerprint,
+        response: StoredResponse {
+            status,
+            headers,
+            body: Bytes::copy_from_slice(r.0),
+        },
+        trace_context: (!trace.is_empty()).then(|| trace.to_owned()),
+    })
+}
+
+struct Reader<'a>(&'a [u8]);
+
+impl<'a> Reader<'a> {
+    fn take(&mut self, n: usize) -> Option<&'a [u8]> {
+        if self.0.len() < n {
+            return None;
+        }
+        let (head, rest) = self.0.split_at(n);
+        self.0 = rest;
+        Some(head)
+    }
+    fn u16(&mut self) -> Option<u16> {
+        Some(u16::from_be_bytes(self.take(2)?.try_into().ok()?))
+    }
+    fn u32(&mut self) -> Option<u32> {
+        Some(u32::from_be_bytes(self.take(4)?.try_into().ok()?))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn entry(trace: Option<&str>) -> CacheEntry {
+        CacheEntry {
+            fingerprint: Fingerprint::from_bytes([7; 32]),
+            response: StoredResponse {
+                status: 201,
+                headers: vec![
+                    ("content-type".into(), b"application/json".to_vec()),
+                    ("x-bin".into(), vec![0, 255, 10]),
+                ],
+                body: Bytes::from_static(b"{\"paymentId\":\"p\"}\x00\xff"),
+            },
+            trace_context: trace.map(str::to_owned),
+        }
+    }
+
+    #[test]
+    fn round_trips() {
+        for e in [
+            entry(None),
+            entry(Some(
+                "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
+            )),
+        ] {
+            assert_eq!(decode(&encode(&e)), Some(e));
+        }
+    }
+
+    #[test]
+    fn refuses_truncated_or_foreign_bytes() {
+        let bytes = encode(&entry(None));
+        assert!(decode(&bytes[..40]).is_none());
+        assert!(decode(b"").is_none());
+        let mut other = bytes.clone();
+        other[0] = 2;
+        assert!(decode(&other).is_none());
+    }
+}
