@@ -207,6 +207,32 @@ async fn redis_killed_mid_storm_changes_nothing_a_client_sees() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redis_that_stops_answering_changes_nothing_a_client_sees() {
+    let db = TestDb::create().await;
+    let demo = Demo::start(&db).await;
+    let redis = RedisServer::start(&["--enable-debug-command", "yes"]);
+    let (a, b) = two_gateways(&db, &demo, &redis.url()).await;
+    let key = new_key();
+    let body = storm(&[&a, &b], &db, &key, async || {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        // Redis hangs for a second (a stand-in for a slow or partitioned server).
+        let url = redis.port.to_string();
+        tokio::task::spawn_blocking(move || {
+            std::process::Command::new("redis-cli")
+                .args(["-p", &url, "DEBUG", "SLEEP", "1"])
+                .output()
+                .unwrap()
+        });
+    })
+    .await;
+    replays_are_identical(&[&a, &b], &key, &body).await;
+    assert!(
+        a.cache_stats().errors + b.cache_stats().errors > 0,
+        "the hang was noticed as timeouts"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn flushall_changes_nothing_a_client_sees() {
     let db = TestDb::create().await;
     let demo = Demo::start(&db).await;
