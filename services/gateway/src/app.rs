@@ -22,10 +22,10 @@ use serde_json::json;
 use tokio::net::TcpListener;
 use tokio_util::task::TaskTracker;
 
-use crate::config::Config;
 use crate::handler;
-use crate::routes::RouteTable;
-use crate::upstream::{self, HttpClient};
+use idem_config::Config;
+use idem_config::RouteTable;
+use idem_upstream::{self as upstream, HttpClient};
 
 /// Everything a request needs, shared by all of them.
 pub struct AppState {
@@ -86,7 +86,7 @@ impl Application {
             auth,
             routes: config.routes,
             engine: Engine::with_cache(PgLedger::new(pool, op_timeout), cache),
-            client: upstream::client(),
+            client: upstream::pooled_client(),
             max_body_bytes: config.server.max_body_bytes,
             tasks: TaskTracker::new(),
         };
@@ -144,7 +144,7 @@ impl Application {
     }
 }
 
-fn redis_settings(redis: &crate::config::RedisConfig) -> RedisSettings {
+fn redis_settings(redis: &idem_config::config::RedisConfig) -> RedisSettings {
     let (urls, cluster) = match (&redis.url, &redis.cluster_urls) {
         (Some(url), _) => (vec![url.expose_secret().to_owned()], false),
         (None, Some(urls)) => (

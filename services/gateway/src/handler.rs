@@ -17,10 +17,10 @@ use idem_core::{
 };
 
 use crate::app::AppState;
-use crate::headers::{self as h, IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED, PREFERENCE_APPLIED};
 use crate::problem::Problem;
-use crate::routes::Route;
-use crate::upstream::{self, Forwarded, UpstreamResponse};
+use idem_config::Route;
+use idem_upstream::headers::{self as h, IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED, PREFERENCE_APPLIED};
+use idem_upstream::{self as upstream, Forwarded, UpstreamResponse};
 
 pub async fn handle(State(app): State<Arc<AppState>>, request: Request<Body>) -> Response {
     let started = Instant::now();

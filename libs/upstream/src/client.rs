@@ -16,7 +16,7 @@ pub type HttpClient = Client<HttpConnector, Full<Bytes>>;
 /// released; this bounds how long that takes.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 
-pub fn client() -> HttpClient {
+pub fn pooled_client() -> HttpClient {
     let mut connector = HttpConnector::new();
     connector.set_nodelay(true);
     connector.set_connect_timeout(Some(CONNECT_TIMEOUT));
