@@ -23,6 +23,7 @@
 //! | `idempotency.on_in_progress` | `reject` | or `wait` |
 //! | `idempotency.wait_timeout` | `5s` | longest wait for a concurrent attempt |
 //! | `idempotency.mismatch_status` | `409` | or `422` |
+//! | `reconciler.*` | | see [`ReconcilerConfig`] |
 //! | `routes[]` | | see [`RawRoute`] |
 
 use std::net::SocketAddr;
@@ -77,6 +78,8 @@ struct RawConfig {
     #[serde(default)]
     idempotency: RawIdempotency,
     #[serde(default)]
+    reconciler: ReconcilerConfig,
+    #[serde(default)]
     routes: Vec<RawRoute>,
 }
 
@@ -121,6 +124,48 @@ fn default_acquire_timeout() -> Duration {
 }
 fn default_statement_timeout() -> Duration {
     Duration::from_secs(5)
+}
+
+/// `[reconciler]`: how `idemgate-reconciler` works through stuck claims and expired keys.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ReconcilerConfig {
+    /// `/healthz` and `/metrics` of the reconciler.
+    pub listen: SocketAddr,
+    /// Pause between passes.
+    #[serde(with = "humantime_serde")]
+    pub interval: Duration,
+    /// Stuck rows taken per batch.
+    pub batch_size: u32,
+    /// How long a reconciler keeps the rows it took while it probes them; other
+    /// reconcilers skip them meanwhile.
+    #[serde(with = "humantime_serde")]
+    pub processing_lease: Duration,
+    /// Probes running at once.
+    pub concurrency: u32,
+    /// The longest wait before a row whose probe failed (or that is held) is looked at again.
+    #[serde(with = "humantime_serde")]
+    pub max_backoff: Duration,
+    /// Expired rows deleted per purge statement.
+    pub purge_batch: u32,
+    /// The most time one pass spends purging.
+    #[serde(with = "humantime_serde")]
+    pub purge_budget: Duration,
+}
+
+impl Default for ReconcilerConfig {
+    fn default() -> Self {
+        Self {
+            listen: SocketAddr::from(([127, 0, 0, 1], 9091)),
+            interval: Duration::from_secs(5),
+            batch_size: 100,
+            processing_lease: Duration::from_secs(120),
+            concurrency: 16,
+            max_backoff: Duration::from_secs(600),
+            purge_batch: 1000,
+            purge_budget: Duration::from_secs(2),
+        }
+    }
 }
 
 /// `[redis]`: the fast path. Without this section, Postgres alone serves.
@@ -282,6 +327,7 @@ pub struct Config {
     pub postgres: PostgresConfig,
     pub redis: Option<RedisConfig>,
     pub auth: AuthConfig,
+    pub reconciler: ReconcilerConfig,
     pub routes: RouteTable,
 }
 
@@ -359,6 +405,20 @@ impl RawConfig {
         if let Some(redis) = &self.redis {
             redis.validate()?;
         }
+        let r = &self.reconciler;
+        for (key, zero) in [
+            ("reconciler.interval", r.interval.is_zero()),
+            ("reconciler.batch_size", r.batch_size == 0),
+            ("reconciler.processing_lease", r.processing_lease.is_zero()),
+            ("reconciler.concurrency", r.concurrency == 0),
+            ("reconciler.max_backoff", r.max_backoff.is_zero()),
+            ("reconciler.purge_batch", r.purge_batch == 0),
+            ("reconciler.purge_budget", r.purge_budget.is_zero()),
+        ] {
+            if zero {
+                return Err(ConfigError::new(key, "must be greater than 0").into());
+            }
+        }
         let defaults = self.idempotency.policy()?;
         let mut routes = Vec::with_capacity(self.routes.len());
         for (i, raw) in self.routes.into_iter().enumerate() {
@@ -379,6 +439,7 @@ impl RawConfig {
             postgres: self.postgres,
             redis: self.redis,
             auth: self.auth,
+            reconciler: self.reconciler,
             routes: RouteTable::new(routes),
         })
     }

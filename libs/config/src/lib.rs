@@ -9,5 +9,5 @@
 pub mod config;
 pub mod routes;
 
-pub use config::{Config, ConfigError, ConfigErrors, OnUnknown, Probe};
+pub use config::{Config, ConfigError, ConfigErrors, OnUnknown, Probe, ReconcilerConfig};
 pub use routes::{PathTemplate, Route, RouteTable, Upstream};

@@ -19,6 +19,16 @@ use crate::ports::{
 use crate::record::{AttemptId, Record, RecordState, StoredResponse};
 use crate::scope::Scope;
 
+/// The attempt that won the claim, as handed to the upstream call.
+#[derive(Debug, Clone, Copy)]
+pub struct Attempt {
+    pub id: AttemptId,
+    /// When this attempt's lease runs out (measured from before the claim was sent, so
+    /// never later than the ledger's). The upstream call must be over by then: past it
+    /// the reconciler may act on the row, so a call that would start later must not.
+    pub deadline: Instant,
+}
+
 /// What the upstream call did.
 #[derive(Debug)]
 pub enum Execution<R> {
@@ -148,7 +158,7 @@ impl<L: Ledger, C: Cache> Engine<L, C> {
         execute: F,
     ) -> Result<Outcome<R>, LedgerError>
     where
-        F: FnOnce(AttemptId) -> Fut,
+        F: FnOnce(Attempt) -> Fut,
         Fut: Future<Output = Execution<R>>,
     {
         let attempt = AttemptId::random();
@@ -192,6 +202,7 @@ impl<L: Ledger, C: Cache> Engine<L, C> {
         let mut execute = Some(execute);
         let mut waited = false;
         for _ in 0..MAX_CLAIM_ROUNDS {
+            let claim_sent = Instant::now();
             let claimed = self.ledger.claim(&claim).await;
             if !matches!(claimed, Ok(ClaimResult::Claimed)) && std::mem::take(&mut locked) {
                 self.cache.unlock(req.scope, attempt).await;
@@ -199,6 +210,10 @@ impl<L: Ledger, C: Cache> Engine<L, C> {
             let record = match claimed? {
                 ClaimResult::Claimed => {
                     let execute = execute.take().expect("executed at most once");
+                    let attempt = Attempt {
+                        id: attempt,
+                        deadline: claim_sent + req.policy.lease,
+                    };
                     return Ok(self.execute(req, attempt, execute).await);
                 }
                 ClaimResult::Existing(record) => record,
@@ -282,18 +297,15 @@ impl<L: Ledger, C: Cache> Engine<L, C> {
         }
     }
 
-    async fn execute<R, F, Fut>(
-        &self,
-        req: Request<'_>,
-        attempt: AttemptId,
-        execute: F,
-    ) -> Outcome<R>
+    async fn execute<R, F, Fut>(&self, req: Request<'_>, attempt: Attempt, execute: F) -> Outcome<R>
     where
-        F: FnOnce(AttemptId) -> Fut,
+        F: FnOnce(Attempt) -> Fut,
         Fut: Future<Output = Execution<R>>,
     {
         let scope = req.scope;
-        match execute(attempt).await {
+        let outcome = execute(attempt).await;
+        let attempt = attempt.id;
+        match outcome {
             Execution::Responded {
                 stored,
                 passthrough,

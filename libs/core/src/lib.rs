@@ -21,7 +21,7 @@ pub mod ports;
 pub mod record;
 pub mod scope;
 
-pub use engine::{Engine, Execution, Outcome, Request, UnknownCause};
+pub use engine::{Attempt, Engine, Execution, Outcome, Request, UnknownCause};
 pub use fingerprint::{BodyKind, Fingerprint};
 pub use key::{IdempotencyKey, KeyError};
 pub use policy::{OnInProgress, Policy, StatusSet};

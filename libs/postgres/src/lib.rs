@@ -3,12 +3,16 @@
 //! # Layout
 //! - [`ledger`]: [`PgLedger`], the engine's [`idem_core::Ledger`] (claim, read,
 //!   complete, release — each one atomic statement).
+//! - [`reconcile`]: the reconciler's statements (stuck claims, fenced resolution, purge).
+//! - [`admin`]: operator access to one key.
 //! - [`headers`]: how response headers are stored, byte for byte.
 //! - [`connect`] and [`migrate`]: the pool and the embedded migrations of `migrations/`.
 #![forbid(unsafe_code)]
 
+pub mod admin;
 pub mod headers;
 pub mod ledger;
+pub mod reconcile;
 
 use std::str::FromStr;
 use std::time::Duration;

@@ -36,6 +36,8 @@ pub struct AppState {
     pub max_body_bytes: usize,
     /// Forward-and-store tasks, awaited on shutdown.
     pub tasks: TaskTracker,
+    /// Completions that lost the fence (the reconciler resolved the row first).
+    pub fenced: std::sync::atomic::AtomicU64,
 }
 
 /// A gateway, bound and ready to serve.
@@ -89,6 +91,7 @@ impl Application {
             client: upstream::pooled_client(),
             max_body_bytes: config.server.max_body_bytes,
             tasks: TaskTracker::new(),
+            fenced: Default::default(),
         };
         Ok(Self {
             listener,
@@ -222,6 +225,12 @@ async fn metrics(State(app): State<Arc<AppState>>) -> Response {
         "Statements sent to the Postgres ledger.",
         "counter",
         app.engine.ledger().calls(),
+    );
+    counter(
+        "idemgate_fenced_completions_total",
+        "Late completions rejected by the fence (the row was resolved meanwhile).",
+        "counter",
+        app.fenced.load(std::sync::atomic::Ordering::Relaxed),
     );
     if let MaybeCache::Some(cache) = app.engine.cache() {
         let s = cache.stats();

@@ -48,7 +48,7 @@ pub async fn handle(State(app): State<Arc<AppState>>, request: Request<Body>) ->
     };
     let Some(key) = key else {
         // Not idempotent (or key-less on a roll-out route): proxy as it is.
-        let forwarded = forward(&app, route, &parts, &tenant, None, body).await;
+        let forwarded = forward(&app, route, &parts, &tenant, None, body, route.timeout).await;
         return match forwarded {
             Forwarded::Answered(response) => passthrough(response),
             Forwarded::NotSent(_) => Problem::UpstreamUnavailable.into_response(),
@@ -91,8 +91,17 @@ pub async fn handle(State(app): State<Arc<AppState>>, request: Request<Body>) ->
                 wait,
                 trace_context: trace_context.as_deref(),
             };
-            let execute = |_attempt| async {
-                match forward(&app, &route, &parts, &tenant, Some(&key), body).await {
+            let (app_ref, route_ref, parts_ref, tenant_ref, key_ref) = (&app, &route, &parts, &tenant, &key);
+            let execute = |attempt: idem_core::Attempt| async move {
+                let (app, route, parts, tenant, key) = (app_ref, route_ref, parts_ref, tenant_ref, key_ref);
+                // Never run past the lease: after it the reconciler may act on the row.
+                let left = attempt.deadline.saturating_duration_since(Instant::now());
+                let timeout = route.timeout.min(left);
+                if timeout.is_zero() {
+                    tracing::warn!(endpoint = %route.endpoint, "lease ran out before the request could be sent; key released");
+                    return Execution::NotSent;
+                }
+                match forward(app, route, parts, tenant, Some(key), body, timeout).await {
                     Forwarded::Answered(response) => Execution::Responded {
                         stored: h::to_stored(
                             response.status.as_u16(),
@@ -119,6 +128,13 @@ pub async fn handle(State(app): State<Arc<AppState>>, request: Request<Body>) ->
     let (response, outcome) = match result {
         Ok(Ok(outcome)) => {
             let name = outcome.name();
+            if let Outcome::Executed {
+                recorded: false, ..
+            } = outcome
+            {
+                app.fenced
+                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            }
             (respond(outcome, route, wait), name)
         }
         Ok(Err(error)) => {
@@ -205,6 +221,7 @@ async fn forward(
     tenant: &str,
     key: Option<&IdempotencyKey>,
     body: Bytes,
+    timeout: Duration,
 ) -> Forwarded {
     let target = parts.uri.path_and_query().map_or("/", |pq| pq.as_str());
     let uri = match route.upstream.uri_for(target) {
@@ -215,7 +232,7 @@ async fn forward(
     *request.method_mut() = parts.method.clone();
     *request.uri_mut() = uri;
     *request.headers_mut() = h::upstream_request_headers(&parts.headers, tenant, key);
-    upstream::forward(&app.client, request, route.timeout).await
+    upstream::forward(&app.client, request, timeout).await
 }
 
 fn bearer(headers: &HeaderMap) -> Result<&str, idem_auth::AuthError> {

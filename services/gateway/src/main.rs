@@ -46,6 +46,13 @@ enum Command {
         #[command(flatten)]
         config: ConfigArg,
     },
+    /// Inspect or release one key (operators: a stuck key whose outcome you established).
+    Keys {
+        #[command(flatten)]
+        config: ConfigArg,
+        #[command(subcommand)]
+        action: KeysAction,
+    },
     /// Mint a development token with the config's hs256_secret.
     Token {
         #[command(flatten)]
@@ -57,6 +64,33 @@ enum Command {
         #[arg(long, default_value = "1h")]
         ttl: humantime::Duration,
     },
+}
+
+#[derive(Debug, Subcommand)]
+enum KeysAction {
+    /// Print a key's record (never its stored body).
+    Show(KeyArgs),
+    /// Release an in-progress key so the next request executes. Do this only once you
+    /// know the upstream did not act (or you accept that it may act again).
+    Release(KeyArgs),
+}
+
+#[derive(Debug, clap::Args)]
+struct KeyArgs {
+    /// The tenant id.
+    tenant: String,
+    /// The endpoint as configured, e.g. "POST /payments".
+    endpoint: String,
+    /// The Idempotency-Key (unquoted).
+    key: String,
+}
+
+impl KeyArgs {
+    fn scope(&self) -> anyhow::Result<idem_core::Scope> {
+        let key = idem_core::IdempotencyKey::parse(self.key.as_bytes())
+            .map_err(|e| anyhow::anyhow!("KEY: {e}"))?;
+        Ok(idem_core::Scope::new(&self.tenant, &self.endpoint, key))
+    }
 }
 
 fn main() -> ExitCode {
@@ -97,23 +131,41 @@ async fn run(command: Command) -> anyhow::Result<()> {
             app.run_until_stopped(shutdown_signal()).await
         }
         Command::Migrate { config } => {
-            let config = load(&config.config)?;
-            let pool = idem_postgres::connect(
-                config.postgres.url.expose_secret(),
-                &idem_postgres::PoolSettings {
-                    max_connections: 1,
-                    acquire_timeout: config.postgres.acquire_timeout,
-                    statement_timeout: std::time::Duration::from_secs(600),
-                    application_name: "idemgate-migrate".into(),
-                },
-            )
-            .await
-            .context("connecting to postgres.url")?;
+            let pool = admin_pool(&load(&config.config)?).await?;
             idem_postgres::migrate(&pool)
                 .await
                 .context("applying migrations")?;
             println!("migrations applied");
             Ok(())
+        }
+        Command::Keys { config, action } => {
+            let config = load(&config.config)?;
+            let pool = admin_pool(&config).await?;
+            match action {
+                KeysAction::Show(args) => {
+                    let scope = args.scope()?;
+                    let info = idem_postgres::admin::show(&pool, &scope)
+                        .await?
+                        .with_context(|| format!("no record for {scope:?}"))?;
+                    println!("{info:#?}");
+                    Ok(())
+                }
+                KeysAction::Release(args) => {
+                    let scope = args.scope()?;
+                    if config.routes.by_endpoint(&scope.endpoint).is_none() {
+                        tracing::warn!(endpoint = %scope.endpoint, "no configured route has this endpoint");
+                    }
+                    if idem_postgres::admin::release(&pool, &scope).await? {
+                        tracing::warn!(?scope, "key released by an operator");
+                        println!("released");
+                        Ok(())
+                    } else {
+                        anyhow::bail!(
+                            "no in-progress record for {scope:?} (completed keys are not released)"
+                        )
+                    }
+                }
+            }
         }
         Command::CheckConfig { config: path } => {
             let config = load(&path.config)?;
@@ -153,6 +205,21 @@ async fn run(command: Command) -> anyhow::Result<()> {
             Ok(())
         }
     }
+}
+
+/// A one-connection pool for the administrative commands.
+async fn admin_pool(config: &Config) -> anyhow::Result<sqlx::PgPool> {
+    idem_postgres::connect(
+        config.postgres.url.expose_secret(),
+        &idem_postgres::PoolSettings {
+            max_connections: 1,
+            acquire_timeout: config.postgres.acquire_timeout,
+            statement_timeout: std::time::Duration::from_secs(600),
+            application_name: "idemgate-admin".into(),
+        },
+    )
+    .await
+    .context("connecting to postgres.url")
 }
 
 fn load(path: &Path) -> anyhow::Result<Config> {

@@ -1,0 +1,176 @@
+//! The ledger's atomic decisions against real Postgres.
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use idem_core::{
+    AttemptId, BodyKind, Claim, ClaimResult, Fence, Fingerprint, IdempotencyKey, Ledger,
+    RecordState, Scope, StoredResponse,
+};
+use idem_postgres::{PgLedger, reconcile};
+use idem_testkit::TestDb;
+
+fn scope(key: &str) -> Scope {
+    Scope::new(
+        "acme",
+        "POST /payments",
+        IdempotencyKey::parse(key.as_bytes()).unwrap(),
+    )
+}
+
+fn response(body: &'static str) -> StoredResponse {
+    StoredResponse {
+        status: 201,
+        headers: vec![("content-type".into(), b"application/json".to_vec())],
+        body: Bytes::from_static(body.as_bytes()),
+    }
+}
+
+async fn ledger(db: &TestDb) -> PgLedger {
+    db.migrate().await;
+    PgLedger::new(
+        sqlx::PgPool::connect(&db.url).await.unwrap(),
+        Duration::from_secs(5),
+    )
+}
+
+async fn claim(ledger: &PgLedger, scope: &Scope, lease: Duration) -> (AttemptId, ClaimResult) {
+    let fp = Fingerprint::compute("POST", "/payments", BodyKind::Raw, b"x").unwrap();
+    let attempt = AttemptId::random();
+    let claim = Claim {
+        scope,
+        fingerprint: &fp,
+        attempt,
+        lease,
+        ttl: Duration::from_secs(60),
+        trace_context: Some("00-abc-def-01"),
+    };
+    (attempt, ledger.claim(&claim).await.unwrap())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_completion_after_the_reconciler_resolved_the_row_is_fenced_out() {
+    let db = TestDb::create().await;
+    let ledger = ledger(&db).await;
+    let scope = scope("fenced");
+    let (attempt, claimed) = claim(&ledger, &scope, Duration::from_millis(1)).await;
+    assert!(matches!(claimed, ClaimResult::Claimed));
+    tokio::time::sleep(Duration::from_millis(20)).await;
+
+    let stuck = reconcile::take_stuck(ledger.pool(), 10, Duration::from_secs(30))
+        .await
+        .unwrap();
+    assert_eq!(stuck.len(), 1);
+    assert_eq!(stuck[0].attempt, attempt);
+    let fence = reconcile::complete(
+        ledger.pool(),
+        &stuck[0],
+        &response("probe"),
+        Duration::from_secs(60),
+    )
+    .await
+    .unwrap();
+    assert_eq!(fence, Fence::Held);
+
+    // The original attempt wakes up and tries to complete and to release: both lose.
+    assert_eq!(
+        ledger
+            .complete(&scope, attempt, &response("late"), Duration::from_secs(60))
+            .await
+            .unwrap(),
+        Fence::Lost
+    );
+    assert_eq!(ledger.release(&scope, attempt).await.unwrap(), Fence::Lost);
+    let record = ledger.get(&scope).await.unwrap().unwrap();
+    assert_eq!(record.state, RecordState::Completed(response("probe")));
+    assert_eq!(record.trace_context.as_deref(), Some("00-abc-def-01"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_resolution_after_the_gateway_finished_changes_nothing() {
+    let db = TestDb::create().await;
+    let ledger = ledger(&db).await;
+    let scope = scope("raced");
+    let (attempt, _) = claim(&ledger, &scope, Duration::from_millis(1)).await;
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    let stuck = reconcile::take_stuck(ledger.pool(), 10, Duration::from_secs(30))
+        .await
+        .unwrap();
+    // The gateway completes between the reconciler's take and its resolution.
+    assert_eq!(
+        ledger
+            .complete(&scope, attempt, &response("real"), Duration::from_secs(60))
+            .await
+            .unwrap(),
+        Fence::Held
+    );
+    assert_eq!(
+        reconcile::release(ledger.pool(), &stuck[0]).await.unwrap(),
+        Fence::Lost
+    );
+    assert_eq!(
+        reconcile::complete(
+            ledger.pool(),
+            &stuck[0],
+            &response("probe"),
+            Duration::from_secs(60)
+        )
+        .await
+        .unwrap(),
+        Fence::Lost
+    );
+    let record = ledger.get(&scope).await.unwrap().unwrap();
+    assert_eq!(record.state, RecordState::Completed(response("real")));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_taken_row_is_invisible_to_other_reconcilers_until_its_processing_lease_ends() {
+    let db = TestDb::create().await;
+    let ledger = ledger(&db).await;
+    claim(&ledger, &scope("taken"), Duration::from_millis(1)).await;
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    let first = reconcile::take_stuck(ledger.pool(), 10, Duration::from_millis(300))
+        .await
+        .unwrap();
+    let second = reconcile::take_stuck(ledger.pool(), 10, Duration::from_millis(300))
+        .await
+        .unwrap();
+    assert_eq!((first.len(), second.len()), (1, 0));
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    let later = reconcile::take_stuck(ledger.pool(), 10, Duration::from_millis(300))
+        .await
+        .unwrap();
+    assert_eq!(
+        later.len(),
+        1,
+        "a reconciler that died mid-probe does not strand the row"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_live_claim_is_not_taken_over_and_the_claim_reads_the_existing_row() {
+    let db = TestDb::create().await;
+    let ledger = ledger(&db).await;
+    let scope = scope("live");
+    let (first, claimed) = claim(&ledger, &scope, Duration::from_secs(30)).await;
+    assert!(matches!(claimed, ClaimResult::Claimed));
+    let (_, second) = claim(&ledger, &scope, Duration::from_secs(30)).await;
+    match second {
+        ClaimResult::Existing(record) => {
+            assert_eq!(record.attempt, first);
+            assert_eq!(
+                record.state,
+                RecordState::InProgress {
+                    lease_expired: false
+                }
+            );
+        }
+        ClaimResult::Claimed => panic!("a live claim must not be taken over"),
+    }
+    assert!(
+        reconcile::take_stuck(ledger.pool(), 10, Duration::from_secs(30))
+            .await
+            .unwrap()
+            .is_empty()
+    );
+}

@@ -1,0 +1,163 @@
+//! `idemgate-reconciler`: resolves claims whose outcome is unknown and purges expired keys.
+//!
+//! A pass (1) takes stuck rows — `in_progress` past their lease — in batches, `FOR UPDATE
+//! SKIP LOCKED` with a processing lease, so any number of reconcilers cooperate and each
+//! row is probed once per pass; (2) resolves each one (see [`resolve`]): a status probe's
+//! 2xx completes it with the upstream's real answer, a 404 releases it, anything else
+//! leaves it for later with backoff; without a probe, the route's `on_unknown` policy
+//! holds it for an operator or releases it after a set time; (3) purges expired rows in
+//! small batches within a time budget.
+//!
+//! # Layout
+//! - [`resolve`]: one stuck row.
+//! - [`stats`]: counters for `/metrics` and the pass log line.
+#![forbid(unsafe_code)]
+
+pub mod resolve;
+pub mod stats;
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Instant;
+
+use anyhow::Context;
+use axum::Router;
+use axum::extract::State;
+use axum::routing::get;
+use futures_util::StreamExt;
+use idem_config::Config;
+use idem_postgres::{PoolSettings, reconcile};
+use idem_upstream::HttpClient;
+use secrecy::ExposeSecret;
+use sqlx::PgPool;
+
+use crate::stats::Stats;
+
+/// One reconciler.
+pub struct Reconciler {
+    pub(crate) pool: PgPool,
+    pub(crate) config: Config,
+    pub(crate) client: HttpClient,
+    pub stats: Arc<Stats>,
+}
+
+impl Reconciler {
+    pub async fn connect(config: Config) -> anyhow::Result<Self> {
+        let settings = PoolSettings {
+            max_connections: config.reconciler.concurrency.saturating_add(2),
+            acquire_timeout: config.postgres.acquire_timeout,
+            statement_timeout: config.postgres.statement_timeout,
+            application_name: "idemgate-reconciler".into(),
+        };
+        let pool = idem_postgres::connect(config.postgres.url.expose_secret(), &settings)
+            .await
+            .context("connecting to postgres.url")?;
+        Ok(Self {
+            pool,
+            config,
+            client: idem_upstream::pooled_client(),
+            stats: Arc::default(),
+        })
+    }
+
+    /// One pass: resolve every stuck row it can take, then purge within the budget.
+    pub async fn pass(&self) -> anyhow::Result<()> {
+        let settings = &self.config.reconciler;
+        let batch = i64::from(settings.batch_size);
+        loop {
+            let rows = reconcile::take_stuck(&self.pool, batch, settings.processing_lease)
+                .await
+                .context("taking stuck rows")?;
+            let taken = rows.len();
+            let results: Vec<_> = futures_util::stream::iter(rows)
+                .map(|row| self.resolve(row))
+                .buffer_unordered(settings.concurrency as usize)
+                .collect()
+                .await;
+            for result in results {
+                if let Err(error) = result {
+                    tracing::error!(%error, "resolving a stuck row failed; it is retried after the processing lease");
+                }
+            }
+            if (taken as i64) < batch {
+                break;
+            }
+        }
+        self.purge().await?;
+        Stats::add(&self.stats.passes, 1);
+        Ok(())
+    }
+
+    /// Deletes expired rows in small batches, for at most the purge budget.
+    async fn purge(&self) -> anyhow::Result<()> {
+        let settings = &self.config.reconciler;
+        let started = Instant::now();
+        loop {
+            let deleted = reconcile::purge_batch(&self.pool, i64::from(settings.purge_batch))
+                .await
+                .context("purging expired rows")?;
+            Stats::add(&self.stats.purged, deleted);
+            if deleted < u64::from(settings.purge_batch)
+                || started.elapsed() >= settings.purge_budget
+            {
+                return Ok(());
+            }
+        }
+    }
+
+    /// Runs passes every `interval` until `shutdown` resolves (finishing the pass in
+    /// progress), serving `/healthz` and `/metrics` on `reconciler.listen` meanwhile.
+    pub async fn run(
+        self,
+        shutdown: impl Future<Output = ()> + Send + 'static,
+    ) -> anyhow::Result<()> {
+        let listener = tokio::net::TcpListener::bind(self.config.reconciler.listen)
+            .await
+            .with_context(|| {
+                format!(
+                    "binding reconciler.listen = {}",
+                    self.config.reconciler.listen
+                )
+            })?;
+        println!(
+            "idemgate-reconciler listening on {}",
+            listener.local_addr()?
+        );
+        let (stop_tx, mut stop_rx) = tokio::sync::watch::channel(false);
+        tokio::spawn(async move {
+            shutdown.await;
+            let _ = stop_tx.send(true);
+        });
+        let app = Router::new()
+            .route("/healthz", get(|| async { "ok" }))
+            .route(
+                "/metrics",
+                get(|State(stats): State<Arc<Stats>>| async move { stats.prometheus() }),
+            )
+            .with_state(self.stats.clone());
+        let mut http_stop = stop_rx.clone();
+        let server = tokio::spawn(async move {
+            axum::serve(listener, app)
+                .with_graceful_shutdown(async move {
+                    let _ = http_stop.wait_for(|stop| *stop).await;
+                })
+                .await
+        });
+        let interval = self.config.reconciler.interval;
+        loop {
+            match self.pass().await {
+                Ok(()) => tracing::info!(totals = %self.stats.summary(), "pass done"),
+                Err(error) => {
+                    tracing::error!(error = %format!("{error:#}"), "pass failed; retrying next interval")
+                }
+            }
+            tokio::select! {
+                _ = tokio::time::sleep(interval) => {}
+                _ = stop_rx.wait_for(|stop| *stop) => break,
+            }
+        }
+        tracing::info!("reconciler stopped");
+        server.await??;
+        Ok(())
+    }
+}

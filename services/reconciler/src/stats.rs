@@ -1,0 +1,73 @@
+//! What the reconciler did, as counters for `/metrics` and the pass report.
+
+use std::fmt::Write;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+/// One counter per action.
+#[derive(Debug, Default)]
+pub struct Stats {
+    /// Rows completed with the upstream's real answer (probe 2xx).
+    pub completed: AtomicU64,
+    /// Rows released because the upstream never ran them (probe 404).
+    pub released: AtomicU64,
+    /// Rows released by a route's `on_unknown = "release-after:…"` policy.
+    pub released_after: AtomicU64,
+    /// Rows held for an operator (`on_unknown = "hold"`, or no such route any more).
+    pub held: AtomicU64,
+    /// Probes that failed or answered neither 2xx nor 404; retried with backoff.
+    pub probe_failed: AtomicU64,
+    /// Resolutions that lost the fence (the gateway finished first): nothing changed.
+    pub fenced: AtomicU64,
+    /// Expired rows deleted.
+    pub purged: AtomicU64,
+    pub passes: AtomicU64,
+}
+
+impl Stats {
+    pub fn add(counter: &AtomicU64, n: u64) {
+        counter.fetch_add(n, Ordering::Relaxed);
+    }
+
+    fn pairs(&self) -> [(&'static str, u64); 7] {
+        let get = |c: &AtomicU64| c.load(Ordering::Relaxed);
+        [
+            ("completed", get(&self.completed)),
+            ("released", get(&self.released)),
+            ("released_after", get(&self.released_after)),
+            ("held", get(&self.held)),
+            ("probe_failed", get(&self.probe_failed)),
+            ("fenced", get(&self.fenced)),
+            ("purged", get(&self.purged)),
+        ]
+    }
+
+    /// `completed=1 released=0 …`, for the log line at the end of a pass.
+    pub fn summary(&self) -> String {
+        let mut out = String::new();
+        for (name, value) in self.pairs() {
+            let _ = write!(out, "{name}={value} ");
+        }
+        out.trim_end().to_owned()
+    }
+
+    /// Prometheus text.
+    pub fn prometheus(&self) -> String {
+        let mut out = String::from(
+            "# HELP idemgate_reconciler_actions_total What the reconciler did with stuck or expired keys.\n\
+             # TYPE idemgate_reconciler_actions_total counter\n",
+        );
+        for (name, value) in self.pairs() {
+            let _ = writeln!(
+                out,
+                "idemgate_reconciler_actions_total{{action=\"{name}\"}} {value}"
+            );
+        }
+        let _ = write!(
+            out,
+            "# HELP idemgate_reconciler_passes_total Passes run.\n# TYPE idemgate_reconciler_passes_total counter\n\
+             idemgate_reconciler_passes_total {}\n",
+            self.passes.load(Ordering::Relaxed)
+        );
+        out
+    }
+}

@@ -1,0 +1,523 @@
+//! Unknown outcomes end to end: real gateway processes (killed, paused), the real
+//! payments-demo, real Postgres, and `idemgate-reconciler --once` passes.
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use http::StatusCode;
+use idem_testkit::*;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+/// Lease 2 s, upstream timeout as given, a status probe, and extra route keys.
+fn probed_route(upstream: &str, timeout: &str, extra: &str) -> String {
+    format!(
+        r#"
+        [idempotency]
+        lease = "2s"
+        [[routes]]
+        method = "POST"
+        path = "/payments"
+        upstream = "{upstream}"
+        idempotent = true
+        timeout = "{timeout}"
+        {extra}
+        "#
+    )
+}
+
+const PROBE: &str = r#"probe = "GET /payments/by-key/{key}""#;
+
+async fn row(db: &TestDb, key: &str) -> Option<(String, Option<i32>, Option<Vec<u8>>)> {
+    let mut conn = db.connect().await;
+    sqlx::query_as(
+        "SELECT status, response_status, response_body FROM idempotency_keys WHERE key = $1",
+    )
+    .bind(key)
+    .fetch_optional(&mut conn)
+    .await
+    .unwrap()
+}
+
+async fn past_lease() {
+    tokio::time::sleep(Duration::from_millis(2300)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gateway_killed_mid_request_is_resolved_by_the_probe() {
+    let db = TestDb::create().await;
+    let demo = Demo::start(&db).await;
+    let cfg = config_toml(&db, &probed_route(&demo.url(), "1500ms", PROBE));
+    let mut doomed = GatewayProcess::start(&cfg).await;
+    let http = Http::default();
+    let key = new_key();
+    let send = |gw: &GatewayProcess| {
+        http.post(&gw.url("/payments"))
+            .tenant("acme")
+            .key(&key)
+            .header("x-demo-delay-ms", "800")
+            .json(&payment("o-kill", 100))
+            .try_send()
+    };
+    let in_flight = tokio::spawn(send(&doomed));
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    doomed.kill().await;
+    assert!(
+        in_flight.await.unwrap().is_err(),
+        "the client lost its connection"
+    );
+
+    let gw = GatewayProcess::start(&cfg).await;
+    let retry = send(&gw).await.unwrap();
+    assert_eq!(
+        retry.status,
+        StatusCode::CONFLICT,
+        "held: the outcome is unknown"
+    );
+    assert_eq!(retry.problem(), "idempotency-key-in-progress");
+
+    past_lease().await;
+    let pass = reconcile_once(&cfg).await;
+    assert!(pass.success, "{}", pass.stderr);
+    assert!(pass.stdout.contains("completed=1"), "{}", pass.stdout);
+
+    // The probe's answer (what really happened upstream) is what retries replay.
+    let replay = send(&gw).await.unwrap();
+    assert_eq!(replay.status, StatusCode::OK);
+    assert!(replay.replayed());
+    assert_eq!(replay.json()["orderId"], "o-kill");
+    let probe = http
+        .get(&format!("{}/payments/by-key/{key}", demo.url()))
+        .header("x-tenant-id", "acme")
+        .send()
+        .await;
+    assert_eq!(replay.body, probe.body);
+    assert_eq!(db.executions("demo_payments", "acme", &key).await, 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_upstream_timeout_is_resolved_by_the_probe() {
+    let db = TestDb::create().await;
+    let demo = Demo::start(&db).await;
+    let cfg = config_toml(&db, &probed_route(&demo.url(), "300ms", PROBE));
+    let gw = GatewayProcess::start(&cfg).await;
+    let http = Http::default();
+    let key = new_key();
+    let send = || {
+        http.post(&gw.url("/payments"))
+            .tenant("acme")
+            .key(&key)
+            .header("x-demo-delay-ms", "1000")
+            .json(&payment("o-504", 100))
+            .send()
+    };
+    assert_eq!(send().await.status, StatusCode::GATEWAY_TIMEOUT);
+    assert_eq!(send().await.status, StatusCode::CONFLICT);
+    past_lease().await;
+    let pass = reconcile_once(&cfg).await;
+    assert!(
+        pass.stdout.contains("completed=1"),
+        "{}{}",
+        pass.stdout,
+        pass.stderr
+    );
+    let replay = http
+        .post(&gw.url("/payments"))
+        .tenant("acme")
+        .key(&key)
+        .json(&payment("o-504", 100))
+        .send()
+        .await;
+    assert_eq!(replay.status, StatusCode::OK);
+    assert_eq!(replay.json()["orderId"], "o-504");
+    assert_eq!(db.executions("demo_payments", "acme", &key).await, 1);
+}
+
+/// A TCP server that accepts requests and never answers: sent, outcome unknown.
+async fn black_hole() -> String {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        let mut held = Vec::new();
+        while let Ok((socket, _)) = listener.accept().await {
+            held.push(socket);
+        }
+    });
+    format!("http://{addr}")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_probe_404_releases_the_key_and_the_retry_executes_once() {
+    let db = TestDb::create().await;
+    let demo = Demo::start(&db).await;
+    // The request goes into a black hole (it never reaches the payments service) ...
+    let lost = config_toml(&db, &probed_route(&black_hole().await, "300ms", PROBE));
+    // ... and the reconciler asks the payments service, which never saw it.
+    let cfg = config_toml(&db, &probed_route(&demo.url(), "1500ms", PROBE));
+    let http = Http::default();
+    let key = new_key();
+    {
+        let gw = GatewayProcess::start(&lost).await;
+        let timed_out = http
+            .post(&gw.url("/payments"))
+            .tenant("acme")
+            .key(&key)
+            .json(&payment("o-404", 1))
+            .send()
+            .await;
+        assert_eq!(timed_out.status, StatusCode::GATEWAY_TIMEOUT);
+    }
+    past_lease().await;
+    let pass = reconcile_once(&cfg).await;
+    assert!(
+        pass.stdout.contains("released=1"),
+        "{}{}",
+        pass.stdout,
+        pass.stderr
+    );
+    assert!(row(&db, &key).await.is_none());
+
+    let gw = GatewayProcess::start(&cfg).await;
+    let retry = http
+        .post(&gw.url("/payments"))
+        .tenant("acme")
+        .key(&key)
+        .json(&payment("o-404", 1))
+        .send()
+        .await;
+    assert_eq!(retry.status, StatusCode::CREATED);
+    assert!(!retry.replayed());
+    assert_eq!(db.executions("demo_payments", "acme", &key).await, 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_paused_gateways_late_completion_is_fenced_out() {
+    let db = TestDb::create().await;
+    let demo = Demo::start(&db).await;
+    let cfg = config_toml(&db, &probed_route(&demo.url(), "1500ms", PROBE));
+    let gw = GatewayProcess::start(&cfg).await;
+    let http = Http::default();
+    let key = new_key();
+    let in_flight = tokio::spawn(
+        http.post(&gw.url("/payments"))
+            .tenant("acme")
+            .key(&key)
+            .header("x-demo-delay-ms", "800")
+            .json(&payment("o-pause", 100))
+            .try_send(),
+    );
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    signal(gw.pid(), "STOP");
+    past_lease().await;
+    tokio::time::sleep(Duration::from_millis(500)).await; // the demo has answered by now
+    let pass = reconcile_once(&cfg).await;
+    assert!(
+        pass.stdout.contains("completed=1"),
+        "{}{}",
+        pass.stdout,
+        pass.stderr
+    );
+    let resolved = row(&db, &key).await.unwrap();
+    assert_eq!(resolved.0, "completed");
+    assert_eq!(resolved.1, Some(200), "the probe's answer");
+
+    signal(gw.pid(), "CONT");
+    let _ = tokio::time::timeout(Duration::from_secs(5), in_flight).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(
+        row(&db, &key).await.unwrap(),
+        resolved,
+        "the late completion changed nothing"
+    );
+    assert_eq!(db.executions("demo_payments", "acme", &key).await, 1);
+}
+
+/// Inserts `n` in-progress rows whose lease ran out, as crashed gateways leave them.
+async fn stuck_rows(db: &TestDb, tenant: &str, endpoint: &str, n: usize) -> Vec<String> {
+    let mut conn = db.connect().await;
+    let keys: Vec<String> = (0..n)
+        .map(|i| format!("stuck-{i}-{}", uuid::Uuid::new_v4().simple()))
+        .collect();
+    for key in &keys {
+        sqlx::query(
+            "INSERT INTO idempotency_keys (tenant_id, endpoint, key, request_hash, status, attempt,
+                 locked_until, created_at, expires_at)
+             VALUES ($1, $2, $3, $4, 'in_progress', $5, now() - interval '1 minute',
+                 now() - interval '2 minutes', now() + interval '1 day')",
+        )
+        .bind(tenant)
+        .bind(endpoint)
+        .bind(key)
+        .bind(vec![0u8; 32])
+        .bind(uuid::Uuid::new_v4())
+        .execute(&mut conn)
+        .await
+        .unwrap();
+    }
+    keys
+}
+
+/// An upstream that records every request path and answers 404.
+async fn recording_upstream() -> (String, Arc<Mutex<Vec<String>>>) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let log = seen.clone();
+    tokio::spawn(async move {
+        while let Ok((mut socket, _)) = listener.accept().await {
+            let log = log.clone();
+            tokio::spawn(async move {
+                let mut buf = vec![0u8; 4096];
+                let n = socket.read(&mut buf).await.unwrap_or(0);
+                let head = String::from_utf8_lossy(&buf[..n]);
+                if let Some(path) = head.split_whitespace().nth(1) {
+                    log.lock().unwrap().push(path.to_owned());
+                }
+                let _ = socket
+                    .write_all(
+                        b"HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\nconnection: close\r\n\r\n",
+                    )
+                    .await;
+            });
+        }
+    });
+    (format!("http://{addr}"), seen)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_reconcilers_probe_each_stuck_row_exactly_once() {
+    let db = TestDb::create().await;
+    db.migrate().await;
+    let (upstream, seen) = recording_upstream().await;
+    let keys = stuck_rows(&db, "acme", "POST /payments", 100).await;
+    // Small batches, so the two interleave rather than one taking everything at once.
+    let cfg = config_toml(
+        &db,
+        &format!(
+            "[reconciler]\nbatch_size = 10\n{}",
+            probed_route(&upstream, "1s", PROBE)
+        ),
+    );
+    let (a, b) = tokio::join!(reconcile_once(&cfg), reconcile_once(&cfg));
+    assert!(a.success && b.success, "{}{}", a.stderr, b.stderr);
+
+    let mut probed = seen.lock().unwrap().clone();
+    assert_eq!(probed.len(), 100, "one probe per row");
+    probed.sort();
+    probed.dedup();
+    assert_eq!(probed.len(), 100, "no row probed twice");
+    let mut expected: Vec<String> = keys
+        .iter()
+        .map(|k| format!("/payments/by-key/{k}"))
+        .collect();
+    expected.sort();
+    assert_eq!(probed, expected);
+    assert_eq!(db.ledger_rows("acme").await, 0, "all released on 404");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_a_probe_keys_are_held_or_released_by_policy() {
+    let db = TestDb::create().await;
+    db.migrate().await;
+    let routes = r#"
+        [[routes]]
+        method = "POST"
+        path = "/payments"
+        upstream = "http://127.0.0.1:9"
+        idempotent = true
+        timeout = "1s"
+        [[routes]]
+        method = "POST"
+        path = "/refunds"
+        upstream = "http://127.0.0.1:9"
+        idempotent = true
+        timeout = "1s"
+        on_unknown = "release-after:1m"
+        [[routes]]
+        method = "POST"
+        path = "/transfers"
+        upstream = "http://127.0.0.1:9"
+        idempotent = true
+        timeout = "1s"
+        on_unknown = "release-after:1h"
+    "#;
+    let held = stuck_rows(&db, "acme", "POST /payments", 1).await;
+    let released = stuck_rows(&db, "acme", "POST /refunds", 1).await; // created 2 minutes ago
+    let young = stuck_rows(&db, "acme", "POST /transfers", 1).await;
+    let pass = reconcile_once(&config_toml(&db, routes)).await;
+    assert!(pass.success, "{}", pass.stderr);
+    assert!(
+        pass.stdout.contains("held=1") && pass.stdout.contains("released_after=1"),
+        "{}",
+        pass.stdout
+    );
+    assert_eq!(row(&db, &held[0]).await.unwrap().0, "in_progress");
+    assert!(row(&db, &released[0]).await.is_none());
+    assert_eq!(row(&db, &young[0]).await.unwrap().0, "in_progress");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_inconclusive_probe_leaves_the_key_for_later_with_backoff() {
+    let db = TestDb::create().await;
+    db.migrate().await;
+    // Nothing listens here: every probe fails to connect.
+    let nowhere = format!("http://127.0.0.1:{}", free_port(false));
+    let keys = stuck_rows(&db, "acme", "POST /payments", 3).await;
+    let cfg = config_toml(&db, &probed_route(&nowhere, "1s", PROBE));
+    let pass = reconcile_once(&cfg).await;
+    assert!(
+        pass.stdout.contains("probe_failed=3"),
+        "{}{}",
+        pass.stdout,
+        pass.stderr
+    );
+    let again = reconcile_once(&cfg).await;
+    assert!(
+        again.stdout.contains("probe_failed=0"),
+        "backed off, not probed again at once: {}",
+        again.stdout
+    );
+    let mut conn = db.connect().await;
+    let attempts: Vec<i32> =
+        sqlx::query_scalar("SELECT probe_attempts FROM idempotency_keys WHERE key = ANY($1)")
+            .bind(&keys)
+            .fetch_all(&mut conn)
+            .await
+            .unwrap();
+    assert_eq!(attempts, vec![1, 1, 1]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_purge_removes_only_expired_rows_while_traffic_flows() {
+    let db = TestDb::create().await;
+    let demo = Demo::start(&db).await;
+    let cfg = config_toml(
+        &db,
+        &format!(
+            "[reconciler]\npurge_batch = 500\n{}",
+            probed_route(&demo.url(), "1500ms", PROBE)
+        ),
+    );
+    let gw = GatewayProcess::start(&cfg).await;
+    let mut conn = db.connect().await;
+    // 3000 expired completed rows, 100 live ones, and in-progress rows past expiry:
+    // one still within its lease (kept), one past it (purged).
+    for (prefix, expires, count) in [
+        ("expired", "now() - interval '1 hour'", 3000),
+        ("live", "now() + interval '1 hour'", 100),
+    ] {
+        sqlx::query(sqlx::AssertSqlSafe(format!(
+            "INSERT INTO idempotency_keys (tenant_id, endpoint, key, request_hash, status, attempt,
+                 response_status, response_headers, response_body, created_at, completed_at, expires_at)
+             SELECT 'old', 'POST /payments', '{prefix}-' || i, decode(repeat('00', 32), 'hex'), 'completed',
+                 gen_random_uuid(), 201, '[]'::jsonb, 'x'::bytea, now(), now(), {expires}
+             FROM generate_series(1, {count}) i"
+        )))
+        .execute(&mut conn)
+        .await
+        .unwrap();
+    }
+    for (key, locked) in [
+        ("leased", "now() + interval '1 hour'"),
+        ("abandoned", "now() - interval '1 hour'"),
+    ] {
+        sqlx::query(sqlx::AssertSqlSafe(format!(
+            "INSERT INTO idempotency_keys (tenant_id, endpoint, key, request_hash, status, attempt,
+                 locked_until, created_at, expires_at)
+             VALUES ('old', 'POST /other', '{key}', decode(repeat('00', 32), 'hex'), 'in_progress',
+                 gen_random_uuid(), {locked}, now(), now() - interval '1 minute')"
+        )))
+        .execute(&mut conn)
+        .await
+        .unwrap();
+    }
+
+    let http = Http::default();
+    let load = tokio::spawn({
+        let http = http.clone();
+        let url = gw.url("/payments");
+        async move {
+            let token = token("acme");
+            let mut statuses = Vec::new();
+            for i in 0..150 {
+                let answer = http
+                    .post(&url)
+                    .bearer(&token)
+                    .key(&format!("load-{i}"))
+                    .json(&payment(&format!("o-{i}"), 1))
+                    .send()
+                    .await;
+                statuses.push(answer.status);
+            }
+            statuses
+        }
+    });
+    let pass = reconcile_once(&cfg).await;
+    assert!(pass.success, "{}", pass.stderr);
+    let statuses = load.await.unwrap();
+    assert!(
+        statuses.iter().all(|s| *s == StatusCode::CREATED),
+        "the load ran without errors: {statuses:?}"
+    );
+
+    let count = |filter: &'static str| {
+        let url = db.url.clone();
+        async move {
+            let mut conn = <sqlx::PgConnection as sqlx::Connection>::connect(&url)
+                .await
+                .unwrap();
+            sqlx::query_scalar::<_, i64>(sqlx::AssertSqlSafe(format!(
+                "SELECT count(*) FROM idempotency_keys WHERE {filter}"
+            )))
+            .fetch_one(&mut conn)
+            .await
+            .unwrap()
+        }
+    };
+    assert_eq!(count("key LIKE 'expired-%'").await, 0);
+    assert_eq!(count("key LIKE 'live-%'").await, 100);
+    assert_eq!(
+        count("key = 'leased'").await,
+        1,
+        "never an in-progress row within its lease"
+    );
+    assert_eq!(count("key = 'abandoned'").await, 0);
+    assert_eq!(
+        count("tenant_id = 'acme'").await,
+        150,
+        "the load's own keys are untouched"
+    );
+    assert!(pass.stdout.contains("purged=3001"), "{}", pass.stdout);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn operators_can_show_and_release_a_stuck_key() {
+    let db = TestDb::create().await;
+    db.migrate().await;
+    let keys = stuck_rows(&db, "acme", "POST /payments", 1).await;
+    let path = config_file(&config_toml(
+        &db,
+        &probed_route("http://127.0.0.1:9", "1s", ""),
+    ));
+    let idemgate = |args: &[&str]| {
+        std::process::Command::new(binary("idemgate", "services/gateway/src"))
+            .arg("keys")
+            .arg("--config")
+            .arg(&path)
+            .args(args)
+            .output()
+            .unwrap()
+    };
+    let show = idemgate(&["show", "acme", "POST /payments", &keys[0]]);
+    assert!(show.status.success());
+    assert!(String::from_utf8_lossy(&show.stdout).contains("in_progress"));
+    let release = idemgate(&["release", "acme", "POST /payments", &keys[0]]);
+    assert!(
+        release.status.success(),
+        "{}",
+        String::from_utf8_lossy(&release.stderr)
+    );
+    assert!(String::from_utf8_lossy(&release.stderr).contains("released by an operator"));
+    assert!(row(&db, &keys[0]).await.is_none());
+    let again = idemgate(&["release", "acme", "POST /payments", &keys[0]]);
+    assert!(!again.status.success(), "nothing left to release");
+}
