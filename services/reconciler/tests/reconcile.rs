@@ -521,3 +521,61 @@ async fn operators_can_show_and_release_a_stuck_key() {
     let again = idemgate(&["release", "acme", "POST /payments", &keys[0]]);
     assert!(!again.status.success(), "nothing left to release");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_loop_serves_health_and_metrics_and_stops_on_sigterm() {
+    let db = TestDb::create().await;
+    db.migrate().await;
+    let (upstream, _) = recording_upstream().await;
+    stuck_rows(&db, "acme", "POST /payments", 2).await;
+    let cfg = config_toml(
+        &db,
+        &format!(
+            "[reconciler]\nlisten = \"127.0.0.1:0\"\ninterval = \"100ms\"\n{}",
+            probed_route(&upstream, "1s", PROBE)
+        ),
+    );
+    let mut child =
+        tokio::process::Command::new(binary("idemgate-reconciler", "services/reconciler/src"))
+            .arg("--config")
+            .arg(config_file(&cfg))
+            .env("RUST_LOG", "warn")
+            .stdout(std::process::Stdio::piped())
+            .kill_on_drop(true)
+            .spawn()
+            .unwrap();
+    let addr = read_listen_line(&mut child, "idemgate-reconciler listening on ").await;
+    let http = Http::default();
+    assert_eq!(
+        http.get(&format!("http://{addr}/healthz"))
+            .send()
+            .await
+            .status,
+        StatusCode::OK
+    );
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let metrics = String::from_utf8_lossy(
+            &http
+                .get(&format!("http://{addr}/metrics"))
+                .send()
+                .await
+                .body,
+        )
+        .into_owned();
+        if metrics.contains("idemgate_reconciler_actions_total{action=\"released\"} 2") {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the loop resolved the rows: {metrics}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    signal(child.id().unwrap(), "TERM");
+    let status = tokio::time::timeout(Duration::from_secs(10), child.wait())
+        .await
+        .expect("stopped")
+        .unwrap();
+    assert!(status.success(), "a clean exit on SIGTERM");
+}
