@@ -15,6 +15,7 @@ use idem_core::{
 };
 use sqlx::postgres::PgRow;
 use sqlx::{PgPool, Row};
+use tracing::Instrument;
 use uuid::Uuid;
 
 use crate::headers;
@@ -51,15 +52,30 @@ impl PgLedger {
         &self.pool
     }
 
+    /// Runs one statement within the op timeout, in a client span, counting it.
     async fn bounded<T>(
         &self,
+        operation: &'static str,
         fut: impl Future<Output = Result<T, sqlx::Error>>,
     ) -> Result<T, LedgerError> {
         self.calls.fetch_add(1, Ordering::Relaxed);
-        match tokio::time::timeout(self.op_timeout, fut).await {
+        let span = tracing::info_span!(
+            "postgres",
+            otel.kind = "client",
+            db.system.name = "postgresql",
+            db.operation.name = operation
+        );
+        let result = match tokio::time::timeout(self.op_timeout, fut)
+            .instrument(span)
+            .await
+        {
             Ok(result) => result.map_err(LedgerError::new),
             Err(_) => Err(LedgerError::new(crate::Timeout(self.op_timeout))),
+        };
+        if result.is_err() {
+            idem_telemetry::metrics::counter!("idemgate_ledger_errors_total").increment(1);
         }
+        result
     }
 
     async fn try_claim(&self, c: &Claim<'_>) -> Result<Option<ClaimResult>, LedgerError> {
@@ -69,6 +85,7 @@ impl PgLedger {
         // it returns nothing and we read again below.
         let row = self
             .bounded(
+                "claim",
                 sqlx::query(CLAIM_SQL)
                     .bind(&c.scope.tenant)
                     .bind(&c.scope.endpoint)
@@ -111,6 +128,7 @@ impl Ledger for PgLedger {
     async fn get(&self, scope: &Scope) -> Result<Option<Record>, LedgerError> {
         let row = self
             .bounded(
+                "get",
                 sqlx::query(GET_SQL)
                     .bind(&scope.tenant)
                     .bind(&scope.endpoint)
@@ -137,6 +155,7 @@ impl Ledger for PgLedger {
              WHERE tenant_id = $1 AND endpoint = $2 AND key = $3 AND attempt = $4";
         let result = self
             .bounded(
+                "complete",
                 sqlx::query(SQL)
                     .bind(&scope.tenant)
                     .bind(&scope.endpoint)
@@ -158,6 +177,7 @@ impl Ledger for PgLedger {
              AND status = 'in_progress'";
         let result = self
             .bounded(
+                "release",
                 sqlx::query(SQL)
                     .bind(&scope.tenant)
                     .bind(&scope.endpoint)

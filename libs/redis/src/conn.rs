@@ -15,6 +15,7 @@ use deadpool_redis::Runtime;
 use redis::aio::{ConnectionLike, MultiplexedConnection};
 use redis::cluster_async::ClusterConnection;
 use redis::{Cmd, Pipeline, RedisFuture, Value};
+use tracing::Instrument;
 
 /// One node or a cluster.
 #[derive(Clone)]
@@ -147,7 +148,7 @@ impl Breaker {
 
     /// Runs one operation on the shared connection, bounded by the op timeout. `None`
     /// when the breaker is open or the operation failed (which opens it).
-    pub async fn run<T, F, Fut>(self: &Arc<Self>, op: F) -> Option<T>
+    pub async fn run<T, F, Fut>(self: &Arc<Self>, operation: &'static str, op: F) -> Option<T>
     where
         F: FnOnce(Conn) -> Fut,
         Fut: Future<Output = redis::RedisResult<T>>,
@@ -156,7 +157,16 @@ impl Breaker {
             self.stats.skipped.fetch_add(1, Ordering::Relaxed);
             return None;
         };
-        match tokio::time::timeout(self.op_timeout, op(conn)).await {
+        let span = tracing::info_span!(
+            "redis",
+            otel.kind = "client",
+            db.system.name = "redis",
+            db.operation.name = operation
+        );
+        match tokio::time::timeout(self.op_timeout, op(conn))
+            .instrument(span)
+            .await
+        {
             Ok(Ok(value)) => Some(value),
             Ok(Err(error)) => {
                 self.trip(&error.to_string());

@@ -115,7 +115,7 @@ impl Cache for RedisCache {
         let keys = keys::scope_keys(&self.prefix, scope);
         let reply = self
             .breaker
-            .run(|mut conn| async move {
+            .run("probe", |mut conn| async move {
                 scripts::PROBE
                     .key(&keys.response)
                     .key(&keys.lock)
@@ -166,7 +166,7 @@ impl Cache for RedisCache {
         let key = keys::scope_keys(&self.prefix, scope).response;
         let value = codec::encode(entry);
         self.breaker
-            .run(|mut conn| async move {
+            .run("fill", |mut conn| async move {
                 redis::cmd("SET")
                     .arg(key)
                     .arg(value)
@@ -182,7 +182,7 @@ impl Cache for RedisCache {
         let keys = keys::scope_keys(&self.prefix, scope);
         let value = codec::encode(entry);
         self.breaker
-            .run(|mut conn| async move {
+            .run("complete", |mut conn| async move {
                 scripts::COMPLETE
                     .key(&keys.response)
                     .key(&keys.lock)
@@ -199,7 +199,7 @@ impl Cache for RedisCache {
     async fn unlock(&self, scope: &Scope, attempt: AttemptId) {
         let keys = keys::scope_keys(&self.prefix, scope);
         self.breaker
-            .run(|mut conn| async move {
+            .run("unlock", |mut conn| async move {
                 scripts::UNLOCK
                     .key(&keys.lock)
                     .arg(token(attempt))

@@ -572,11 +572,16 @@ pub struct GatewayProcess {
 
 impl GatewayProcess {
     pub async fn start(config_text: &str) -> Self {
+        Self::start_with_env(config_text, &[]).await
+    }
+
+    pub async fn start_with_env(config_text: &str, env: &[(&str, &str)]) -> Self {
         let path = config_file(config_text);
         let mut child = Command::new(binary("idemgate", "services/gateway/src"))
             .arg("serve")
             .arg("--config")
             .arg(&path)
+            .envs(env.iter().copied())
             .env(
                 "RUST_LOG",
                 std::env::var("IDEMGATE_TEST_LOG").unwrap_or_else(|_| "error".into()),

@@ -9,6 +9,7 @@ use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
+use tracing::Instrument;
 
 pub type HttpClient = Client<HttpConnector, Full<Bytes>>;
 
@@ -44,8 +45,31 @@ pub enum Forwarded {
     Unknown(String),
 }
 
-/// Sends `request` and reads the whole response, all within `timeout`.
+/// Sends `request` and reads the whole response, all within `timeout`, in a client
+/// span whose context goes upstream as `traceparent`.
 pub async fn forward(
+    client: &HttpClient,
+    mut request: Request<Full<Bytes>>,
+    timeout: Duration,
+) -> Forwarded {
+    let span = tracing::info_span!(
+        "upstream",
+        otel.kind = "client",
+        http.request.method = %request.method(),
+        url.full = %request.uri(),
+        http.response.status_code = tracing::field::Empty,
+    );
+    idem_telemetry::propagation::inject(&span, request.headers_mut());
+    let forwarded = exchange(client, request, timeout)
+        .instrument(span.clone())
+        .await;
+    if let Forwarded::Answered(answer) = &forwarded {
+        span.record("http.response.status_code", answer.status.as_u16());
+    }
+    forwarded
+}
+
+async fn exchange(
     client: &HttpClient,
     request: Request<Full<Bytes>>,
     timeout: Duration,

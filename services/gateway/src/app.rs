@@ -63,6 +63,8 @@ impl Default for BuildOptions {
 impl Application {
     pub async fn build(config: Config, options: BuildOptions) -> anyhow::Result<Self> {
         let auth = Authenticator::from_config(&config.auth)?;
+        idem_telemetry::prometheus(); // record from the first request on
+        describe_metrics();
         let pool =
             idem_postgres::connect(config.postgres.url.expose_secret(), &pool_settings(&config))
                 .await
@@ -209,65 +211,72 @@ async fn readyz(State(app): State<Arc<AppState>>) -> Response {
     (status, axum::Json(body)).into_response()
 }
 
-/// Prometheus text. A first cut: the fast path's state and counters and the ledger's
-/// statement count.
+/// Prometheus text: the recorder's counters and histograms, plus the fast path's and
+/// the ledger's own counters, brought up to date at scrape time.
 async fn metrics(State(app): State<Arc<AppState>>) -> Response {
-    use std::fmt::Write;
-    let mut out = String::new();
-    let mut counter = |name: &str, help: &str, kind: &str, value: u64| {
-        let _ = writeln!(
-            out,
-            "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {value}"
-        );
-    };
-    counter(
-        "idemgate_ledger_statements_total",
-        "Statements sent to the Postgres ledger.",
-        "counter",
-        app.engine.ledger().calls(),
-    );
-    counter(
-        "idemgate_fenced_completions_total",
-        "Late completions rejected by the fence (the row was resolved meanwhile).",
-        "counter",
-        app.fenced.load(std::sync::atomic::Ordering::Relaxed),
-    );
+    use idem_telemetry::metrics::{counter, gauge};
+    counter!("idemgate_ledger_statements_total").absolute(app.engine.ledger().calls());
+    counter!("idemgate_fenced_completions_total")
+        .absolute(app.fenced.load(std::sync::atomic::Ordering::Relaxed));
     if let MaybeCache::Some(cache) = app.engine.cache() {
         let s = cache.stats();
-        counter(
-            "idemgate_cache_up",
-            "1 while the Redis breaker is closed.",
-            "gauge",
-            u64::from(s.up),
-        );
-        counter(
-            "idemgate_cache_hits_total",
-            "Replays served from Redis.",
-            "counter",
-            s.hits,
-        );
-        counter(
-            "idemgate_cache_misses_total",
-            "Fast-path probes that found no cached response.",
-            "counter",
-            s.misses,
-        );
-        counter(
-            "idemgate_cache_errors_total",
-            "Redis calls that failed or timed out.",
-            "counter",
-            s.errors,
-        );
-        counter(
-            "idemgate_cache_skipped_total",
-            "Redis calls skipped while the breaker was open.",
-            "counter",
-            s.skipped,
-        );
+        gauge!("idemgate_cache_up").set(f64::from(u8::from(s.up)));
+        counter!("idemgate_cache_hits_total").absolute(s.hits);
+        counter!("idemgate_cache_misses_total").absolute(s.misses);
+        counter!("idemgate_cache_errors_total").absolute(s.errors);
+        counter!("idemgate_cache_skipped_total").absolute(s.skipped);
     }
     (
         [(http::header::CONTENT_TYPE, "text/plain; version=0.0.4")],
-        out,
+        idem_telemetry::prometheus().render(),
     )
         .into_response()
+}
+
+fn describe_metrics() {
+    use idem_telemetry::metrics::{Unit, describe_counter, describe_gauge, describe_histogram};
+    describe_counter!(
+        "idemgate_requests_total",
+        "Requests by outcome and endpoint."
+    );
+    describe_histogram!(
+        "idemgate_request_duration_seconds",
+        Unit::Seconds,
+        "Request latency, by outcome and endpoint."
+    );
+    describe_histogram!(
+        "idemgate_upstream_duration_seconds",
+        Unit::Seconds,
+        "Upstream call latency, by endpoint."
+    );
+    describe_gauge!(
+        "idemgate_inflight_executions",
+        "Upstream executions in flight."
+    );
+    describe_counter!(
+        "idemgate_ledger_statements_total",
+        "Statements sent to the Postgres ledger."
+    );
+    describe_counter!(
+        "idemgate_ledger_errors_total",
+        "Ledger statements that failed or timed out."
+    );
+    describe_counter!(
+        "idemgate_fenced_completions_total",
+        "Late completions rejected by the fence."
+    );
+    describe_gauge!("idemgate_cache_up", "1 while the Redis breaker is closed.");
+    describe_counter!("idemgate_cache_hits_total", "Replays served from Redis.");
+    describe_counter!(
+        "idemgate_cache_misses_total",
+        "Fast-path probes without a cached response."
+    );
+    describe_counter!(
+        "idemgate_cache_errors_total",
+        "Redis calls that failed or timed out."
+    );
+    describe_counter!(
+        "idemgate_cache_skipped_total",
+        "Redis calls skipped while the breaker was open."
+    );
 }

@@ -1,60 +1,127 @@
-//! The proxy handler: authenticate, match the route, validate, then either proxy
-//! plainly or run the request through the idempotency engine.
+//! One request: authenticate, match the route, validate, then either proxy plainly or
+//! run the request through the idempotency engine — all inside the `idemgate.request`
+//! span, which continues the client's trace and links retries to the first execution.
 
 use std::sync::Arc;
+use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use axum::body::Body;
 use axum::extract::State;
 use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
-use http::header::{self, HeaderMap, HeaderValue};
+use http::Request;
 use http::request::Parts;
-use http::{Request, StatusCode};
-use http_body_util::{BodyExt, Full, Limited};
-use idem_core::{
-    BodyKind, Execution, Fingerprint, IdempotencyKey, Outcome, Scope, StoredResponse, UnknownCause,
-};
+use http_body_util::Full;
+use idem_config::Route;
+use idem_core::{Attempt, BodyKind, Execution, Fingerprint, IdempotencyKey, Outcome, Scope};
+use idem_telemetry::metrics::{counter, gauge, histogram};
+use idem_telemetry::propagation;
+use idem_upstream::headers::{self as h};
+use idem_upstream::{self as upstream, Forwarded};
+use tracing::field::Empty;
+use tracing::{Instrument, Span};
 
 use crate::app::AppState;
+use crate::extract::{bearer, idempotency_key, is_json, preferred_wait, read_body};
 use crate::problem::Problem;
-use idem_config::Route;
-use idem_upstream::headers::{self as h, IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED, PREFERENCE_APPLIED};
-use idem_upstream::{self as upstream, Forwarded, UpstreamResponse};
+use crate::respond::{passthrough, respond};
+
+/// What a request came to, for the log line and the metrics.
+struct Handled {
+    response: Response,
+    /// `executed`, `replayed`, … or, for requests turned away before the engine, the
+    /// problem's slug; `proxied` for plain routes.
+    outcome: &'static str,
+    endpoint: Option<String>,
+}
+
+impl From<(Problem, Option<&Route>)> for Handled {
+    fn from((problem, route): (Problem, Option<&Route>)) -> Self {
+        Self {
+            outcome: problem.slug(),
+            response: problem.into_response(),
+            endpoint: route.map(|r| r.endpoint.clone()),
+        }
+    }
+}
 
 pub async fn handle(State(app): State<Arc<AppState>>, request: Request<Body>) -> Response {
     let started = Instant::now();
+    let span = tracing::info_span!(
+        "idemgate.request",
+        otel.kind = "server",
+        http.request.method = %request.method(),
+        url.path = %request.uri().path(),
+        tenant.id = Empty,
+        idempotency.endpoint = Empty,
+        idempotency.key = Empty,
+        idempotency.outcome = Empty,
+        http.response.status_code = Empty,
+    );
+    propagation::continue_trace(&span, request.headers());
+    let handled = serve(app, request, span.clone())
+        .instrument(span.clone())
+        .await;
+
+    let status = handled.response.status().as_u16();
+    span.record("http.response.status_code", status);
+    let endpoint = handled.endpoint.unwrap_or_else(|| "unmatched".into());
+    let elapsed = started.elapsed().as_secs_f64();
+    counter!("idemgate_requests_total", "outcome" => handled.outcome, "endpoint" => endpoint.clone()).increment(1);
+    histogram!("idemgate_request_duration_seconds", "outcome" => handled.outcome, "endpoint" => endpoint)
+        .record(elapsed);
+    span.in_scope(|| {
+        tracing::info!(
+            idempotency.outcome = handled.outcome,
+            http.status = status,
+            duration_ms = elapsed * 1000.0,
+            "request"
+        )
+    });
+    handled.response
+}
+
+async fn serve(app: Arc<AppState>, request: Request<Body>, span: Span) -> Handled {
     let (parts, body) = request.into_parts();
     let tenant = match bearer(&parts.headers).and_then(|t| app.auth.verify(t)) {
         Ok(tenant) => tenant.0,
-        Err(why) => return Problem::Unauthorized(why).into_response(),
+        Err(why) => return (Problem::Unauthorized(why), None).into(),
     };
+    span.record("tenant.id", tenant.as_str());
     let Some(route) = app.routes.find(&parts.method, parts.uri.path()) else {
-        return Problem::RouteNotFound.into_response();
+        return (Problem::RouteNotFound, None).into();
     };
+    span.record("idempotency.endpoint", route.endpoint.as_str());
     let key = if route.idempotent {
         match idempotency_key(&parts.headers) {
             Ok(Some(key)) => Some(key),
             Ok(None) if !route.key_required => None,
-            Ok(None) => return Problem::KeyMissing.into_response(),
-            Err(why) => return Problem::KeyInvalid(why).into_response(),
+            Ok(None) => return (Problem::KeyMissing, Some(route)).into(),
+            Err(why) => return (Problem::KeyInvalid(why), Some(route)).into(),
         }
     } else {
         None
     };
     let body = match read_body(body, &parts.headers, app.max_body_bytes).await {
         Ok(body) => body,
-        Err(problem) => return problem.into_response(),
+        Err(problem) => return (problem, Some(route)).into(),
     };
     let Some(key) = key else {
         // Not idempotent (or key-less on a roll-out route): proxy as it is.
-        let forwarded = forward(&app, route, &parts, &tenant, None, body, route.timeout).await;
-        return match forwarded {
+        let response = match forward(&app, route, &parts, &tenant, None, body, route.timeout).await
+        {
             Forwarded::Answered(response) => passthrough(response),
             Forwarded::NotSent(_) => Problem::UpstreamUnavailable.into_response(),
             Forwarded::Unknown(_) => Problem::UpstreamTimeout.into_response(),
         };
+        return Handled {
+            response,
+            outcome: "proxied",
+            endpoint: Some(route.endpoint.clone()),
+        };
     };
+    span.record("idempotency.key", key.as_str());
 
     let target = parts.uri.path_and_query().map_or("/", |pq| pq.as_str());
     let kind = if is_json(&parts.headers) {
@@ -65,153 +132,118 @@ pub async fn handle(State(app): State<Arc<AppState>>, request: Request<Body>) ->
     let fingerprint = match Fingerprint::compute(parts.method.as_str(), target, kind, &body) {
         Ok(fp) => fp,
         Err(why) => {
-            return Problem::RequestInvalid(format!("the body is not acceptable JSON: {why}"))
-                .into_response();
+            let problem =
+                Problem::RequestInvalid(format!("the body is not acceptable JSON: {why}"));
+            return (problem, Some(route)).into();
         }
     };
     let wait = route.policy.wait_for(preferred_wait(&parts.headers));
     let scope = Scope::new(tenant.clone(), route.endpoint.clone(), key.clone());
-    let trace_context = parts
-        .headers
-        .get(h::TRACEPARENT)
-        .and_then(|v| v.to_str().ok())
-        .map(str::to_owned);
+    // Stored with the claim, so retries can link to this execution's span.
+    let trace_context = propagation::traceparent(&span).or_else(|| {
+        parts
+            .headers
+            .get(h::TRACEPARENT)
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_owned)
+    });
 
     // Claim, forward and store in a task of its own: a client that hangs up drops
     // this handler's future, and must not cancel the forward-and-store half way.
     let task = {
-        let app = app.clone();
-        let route = route.clone();
-        let scope = scope.clone();
-        app.tasks.clone().spawn(async move {
-            let request = idem_core::Request {
-                scope: &scope,
-                fingerprint: &fingerprint,
-                policy: &route.policy,
-                wait,
-                trace_context: trace_context.as_deref(),
-            };
-            let (app_ref, route_ref, parts_ref, tenant_ref, key_ref) = (&app, &route, &parts, &tenant, &key);
-            let execute = |attempt: idem_core::Attempt| async move {
-                let (app, route, parts, tenant, key) = (app_ref, route_ref, parts_ref, tenant_ref, key_ref);
-                // Never run past the lease: after it the reconciler may act on the row.
-                let left = attempt.deadline.saturating_duration_since(Instant::now());
-                let timeout = route.timeout.min(left);
-                if timeout.is_zero() {
-                    tracing::warn!(endpoint = %route.endpoint, "lease ran out before the request could be sent; key released");
-                    return Execution::NotSent;
-                }
-                match forward(app, route, parts, tenant, Some(key), body, timeout).await {
-                    Forwarded::Answered(response) => Execution::Responded {
-                        stored: h::to_stored(
-                            response.status.as_u16(),
-                            &response.headers,
-                            response.body.clone(),
-                            route.policy.store_set_cookie,
-                        ),
-                        passthrough: response,
-                    },
-                    Forwarded::NotSent(why) => {
-                        tracing::warn!(endpoint = %route.endpoint, %why, "upstream unreachable; key released");
-                        Execution::NotSent
-                    }
-                    Forwarded::Unknown(why) => {
-                        tracing::warn!(endpoint = %route.endpoint, %why, "upstream outcome unknown; key held");
-                        Execution::Unknown
-                    }
-                }
-            };
-            app.engine.run(request, execute).await
-        })
+        let (app, route) = (app.clone(), route.clone());
+        app.tasks.clone().spawn(
+            async move {
+                let request = idem_core::Request {
+                    scope: &scope,
+                    fingerprint: &fingerprint,
+                    policy: &route.policy,
+                    wait,
+                    trace_context: trace_context.as_deref(),
+                };
+                let execute = |attempt| execute(&app, &route, &parts, &tenant, &key, body, attempt);
+                app.engine.run(request, execute).await
+            }
+            .instrument(span.clone()),
+        )
     };
-    let result = task.await;
-    let (response, outcome) = match result {
+    let (response, outcome) = match task.await {
         Ok(Ok(outcome)) => {
             let name = outcome.name();
-            if let Outcome::Executed {
-                recorded: false, ..
-            } = outcome
-            {
-                app.fenced
-                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            match &outcome {
+                Outcome::Executed {
+                    recorded: false, ..
+                } => {
+                    app.fenced.fetch_add(1, Ordering::Relaxed);
+                }
+                Outcome::Replayed { trace_context, .. }
+                | Outcome::Mismatch { trace_context }
+                | Outcome::InProgress { trace_context, .. } => {
+                    // One click from this retry's trace to the first execution.
+                    if let Some(first) = trace_context {
+                        propagation::link(&span, first);
+                    }
+                }
+                _ => {}
             }
             (respond(outcome, route, wait), name)
         }
         Ok(Err(error)) => {
-            tracing::error!(%error, endpoint = %route.endpoint, "ledger unavailable");
+            tracing::error!(%error, "ledger unavailable");
             (Problem::LedgerUnavailable.into_response(), "error")
         }
         Err(error) => {
-            tracing::error!(%error, endpoint = %route.endpoint, "request task failed");
+            tracing::error!(%error, "request task failed");
             (Problem::Internal.into_response(), "error")
         }
     };
-    tracing::info!(
-        tenant.id = %scope.tenant,
-        idempotency.endpoint = %scope.endpoint,
-        idempotency.key = %scope.key,
-        idempotency.outcome = outcome,
-        http.status = response.status().as_u16(),
-        duration_ms = started.elapsed().as_secs_f64() * 1000.0,
-        "request"
-    );
-    response
-}
-
-fn respond(outcome: Outcome<UpstreamResponse>, route: &Route, wait: Option<Duration>) -> Response {
-    let applied = |response: &mut Response, waited: bool| {
-        if let (true, Some(wait)) = (waited, wait) {
-            let value = format!("wait={}", wait.as_secs());
-            if let Ok(value) = HeaderValue::from_str(&value) {
-                response.headers_mut().insert(PREFERENCE_APPLIED, value);
-            }
-        }
-    };
-    match outcome {
-        Outcome::Executed { response, .. } | Outcome::Released(response) => passthrough(response),
-        Outcome::Replayed {
-            response, waited, ..
-        } => {
-            let mut response = replay(response);
-            applied(&mut response, waited);
-            response
-        }
-        Outcome::Mismatch { .. } => Problem::KeyReused {
-            status: route.policy.mismatch_status,
-        }
-        .into_response(),
-        Outcome::InProgress {
-            retry_after,
-            waited,
-            ..
-        } => {
-            let mut response = Problem::InProgress { retry_after }.into_response();
-            applied(&mut response, waited);
-            response
-        }
-        Outcome::UpstreamUnavailable => Problem::UpstreamUnavailable.into_response(),
-        Outcome::Unknown(UnknownCause::Upstream) => Problem::UpstreamTimeout.into_response(),
-        Outcome::Unknown(UnknownCause::Ledger) => Problem::OutcomeUnrecorded.into_response(),
+    span.record("idempotency.outcome", outcome);
+    Handled {
+        response,
+        outcome,
+        endpoint: Some(route.endpoint.clone()),
     }
 }
 
-/// The first execution's answer, as the upstream sent it (hop-by-hop removed).
-fn passthrough(upstream: UpstreamResponse) -> Response {
-    let mut response = Response::new(Body::from(upstream.body));
-    *response.status_mut() = upstream.status;
-    *response.headers_mut() = h::passthrough_response_headers(upstream.headers);
-    response
-}
-
-/// A stored response, replayed: same status, body and kept headers; a fresh `Date`
-/// (added by the server) and a `Content-Length` computed from the body.
-fn replay(stored: StoredResponse) -> Response {
-    let mut response = Response::new(Body::from(stored.body));
-    *response.status_mut() = StatusCode::from_u16(stored.status).unwrap_or(StatusCode::OK);
-    let mut headers = h::from_stored(&stored.headers);
-    headers.insert(IDEMPOTENT_REPLAYED, HeaderValue::from_static("true"));
-    *response.headers_mut() = headers;
-    response
+/// The engine's upstream call for the attempt that won the claim.
+async fn execute(
+    app: &AppState,
+    route: &Route,
+    parts: &Parts,
+    tenant: &str,
+    key: &IdempotencyKey,
+    body: Bytes,
+    attempt: Attempt,
+) -> Execution<idem_upstream::UpstreamResponse> {
+    // Never run past the lease: after it the reconciler may act on the row.
+    let left = attempt.deadline.saturating_duration_since(Instant::now());
+    let timeout = route.timeout.min(left);
+    if timeout.is_zero() {
+        tracing::warn!("lease ran out before the request could be sent; key released");
+        return Execution::NotSent;
+    }
+    gauge!("idemgate_inflight_executions").increment(1.0);
+    let forwarded = forward(app, route, parts, tenant, Some(key), body, timeout).await;
+    gauge!("idemgate_inflight_executions").decrement(1.0);
+    match forwarded {
+        Forwarded::Answered(response) => Execution::Responded {
+            stored: h::to_stored(
+                response.status.as_u16(),
+                &response.headers,
+                response.body.clone(),
+                route.policy.store_set_cookie,
+            ),
+            passthrough: response,
+        },
+        Forwarded::NotSent(why) => {
+            tracing::warn!(%why, "upstream unreachable; key released");
+            Execution::NotSent
+        }
+        Forwarded::Unknown(why) => {
+            tracing::warn!(%why, "upstream outcome unknown; key held");
+            Execution::Unknown
+        }
+    }
 }
 
 async fn forward(
@@ -232,167 +264,9 @@ async fn forward(
     *request.method_mut() = parts.method.clone();
     *request.uri_mut() = uri;
     *request.headers_mut() = h::upstream_request_headers(&parts.headers, tenant, key);
-    upstream::forward(&app.client, request, timeout).await
-}
-
-fn bearer(headers: &HeaderMap) -> Result<&str, idem_auth::AuthError> {
-    use idem_auth::AuthError;
-    let mut values = headers.get_all(header::AUTHORIZATION).iter();
-    let (Some(value), None) = (values.next(), values.next()) else {
-        return Err(AuthError::Missing);
-    };
-    let value = value.to_str().map_err(|_| AuthError::Malformed)?;
-    match value.split_once(' ') {
-        Some((scheme, token))
-            if scheme.eq_ignore_ascii_case("bearer") && !token.trim().is_empty() =>
-        {
-            Ok(token.trim())
-        }
-        _ => Err(AuthError::Missing),
-    }
-}
-
-fn idempotency_key(headers: &HeaderMap) -> Result<Option<IdempotencyKey>, String> {
-    let mut values = headers.get_all(IDEMPOTENCY_KEY).iter();
-    let Some(value) = values.next() else {
-        return Ok(None);
-    };
-    if values.next().is_some() {
-        return Err("send exactly one Idempotency-Key header".into());
-    }
-    IdempotencyKey::parse(value.as_bytes())
-        .map(Some)
-        .map_err(|e| e.to_string())
-}
-
-/// `Content-Type: application/json` or any `+json` type.
-fn is_json(headers: &HeaderMap) -> bool {
-    let Some(ct) = headers
-        .get(header::CONTENT_TYPE)
-        .and_then(|v| v.to_str().ok())
-    else {
-        return false;
-    };
-    let media = ct
-        .split(';')
-        .next()
-        .unwrap_or("")
-        .trim()
-        .to_ascii_lowercase();
-    media == "application/json" || (media.starts_with("application/") && media.ends_with("+json"))
-}
-
-/// `Prefer: wait=N` (RFC 7240), in seconds.
-fn preferred_wait(headers: &HeaderMap) -> Option<Duration> {
-    headers
-        .get_all("prefer")
-        .iter()
-        .filter_map(|v| v.to_str().ok())
-        .flat_map(|v| v.split(','))
-        .filter_map(|p| {
-            let (name, value) = p.trim().split_once('=')?;
-            if !name.trim().eq_ignore_ascii_case("wait") {
-                return None;
-            }
-            value.trim().trim_matches('"').parse::<u64>().ok()
-        })
-        .map(Duration::from_secs)
-        .next()
-}
-
-async fn read_body(body: Body, headers: &HeaderMap, limit: usize) -> Result<Bytes, Problem> {
-    let declared = headers
-        .get(header::CONTENT_LENGTH)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.parse::<u64>().ok());
-    if declared.is_some_and(|len| len > limit as u64) {
-        return Err(Problem::PayloadTooLarge { limit });
-    }
-    match Limited::new(body, limit).collect().await {
-        Ok(collected) => Ok(collected.to_bytes()),
-        Err(e) if e.is::<http_body_util::LengthLimitError>() => {
-            Err(Problem::PayloadTooLarge { limit })
-        }
-        Err(e) => Err(Problem::RequestInvalid(format!(
-            "the request body could not be read: {e}"
-        ))),
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn headers(pairs: &[(&str, &str)]) -> HeaderMap {
-        let mut h = HeaderMap::new();
-        for (k, v) in pairs {
-            h.append(
-                http::HeaderName::from_bytes(k.as_bytes()).unwrap(),
-                HeaderValue::from_str(v).unwrap(),
-            );
-        }
-        h
-    }
-
-    #[test]
-    fn json_media_types() {
-        assert!(is_json(&headers(&[("content-type", "application/json")])));
-        assert!(is_json(&headers(&[(
-            "content-type",
-            "Application/JSON; charset=utf-8"
-        )])));
-        assert!(is_json(&headers(&[(
-            "content-type",
-            "application/merge-patch+json"
-        )])));
-        assert!(!is_json(&headers(&[("content-type", "text/plain")])));
-        assert!(!is_json(&headers(&[])));
-    }
-
-    #[test]
-    fn prefer_wait_is_found_among_other_preferences() {
-        assert_eq!(
-            preferred_wait(&headers(&[("prefer", "respond-async, wait=3")])),
-            Some(Duration::from_secs(3))
-        );
-        assert_eq!(
-            preferred_wait(&headers(&[("prefer", "return=minimal")])),
-            None
-        );
-        assert_eq!(preferred_wait(&headers(&[("prefer", "wait=soon")])), None);
-    }
-
-    #[test]
-    fn one_key_header_only() {
-        assert!(
-            idempotency_key(&headers(&[
-                ("idempotency-key", "a"),
-                ("idempotency-key", "b")
-            ]))
-            .is_err()
-        );
-        assert_eq!(idempotency_key(&headers(&[])), Ok(None));
-        assert_eq!(
-            idempotency_key(&headers(&[("idempotency-key", "\"k\"")]))
-                .unwrap()
-                .unwrap()
-                .as_str(),
-            "k"
-        );
-    }
-
-    #[test]
-    fn bearer_tokens() {
-        assert_eq!(
-            bearer(&headers(&[("authorization", "Bearer abc")])),
-            Ok("abc")
-        );
-        assert_eq!(
-            bearer(&headers(&[("authorization", "bearer abc")])),
-            Ok("abc")
-        );
-        assert!(bearer(&headers(&[("authorization", "Basic abc")])).is_err());
-        assert!(bearer(&headers(&[("authorization", "Bearer ")])).is_err());
-        assert!(bearer(&headers(&[])).is_err());
-    }
+    let started = Instant::now();
+    let forwarded = upstream::forward(&app.client, request, timeout).await;
+    histogram!("idemgate_upstream_duration_seconds", "endpoint" => route.endpoint.clone())
+        .record(started.elapsed().as_secs_f64());
+    forwarded
 }

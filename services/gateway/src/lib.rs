@@ -2,7 +2,10 @@
 //!
 //! # Layout
 //! - [`app`]: [`app::Application`] — build (connect, migrate, bind), serve, drain.
-//! - [`handler`]: one request: auth → route → key → body → engine → response.
+//! - [`handler`]: one request: auth → route → key → body → engine → response, in the
+//!   `idemgate.request` span.
+//! - [`extract`]: reading the token, the key, the body and `Prefer: wait`.
+//! - [`respond`]: an engine outcome as the client's response.
 //! - [`problem`]: every error response, as `application/problem+json`.
 //!
 //! Configuration and routes live in `idem-config`, the upstream client and header rules
@@ -10,8 +13,10 @@
 #![forbid(unsafe_code)]
 
 pub mod app;
+pub mod extract;
 pub mod handler;
 pub mod problem;
+pub mod respond;
 
 pub use app::{Application, BuildOptions};
 pub use idem_config::Config;

@@ -95,7 +95,6 @@ impl KeyArgs {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    init_logging();
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -106,7 +105,14 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    match runtime.block_on(run(cli.command)) {
+    let result = runtime.block_on(async {
+        let telemetry = idem_telemetry::init("idemgate");
+        let result = run(cli.command).await;
+        // Flush batched spans before the process exits.
+        let _ = tokio::task::spawn_blocking(move || telemetry.shutdown()).await;
+        result
+    });
+    match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("error: {e:#}");
@@ -224,23 +230,6 @@ async fn admin_pool(config: &Config) -> anyhow::Result<sqlx::PgPool> {
 
 fn load(path: &Path) -> anyhow::Result<Config> {
     Ok(Config::load(path)?)
-}
-
-/// Logs go to stderr: human-readable, or JSON with IDEMGATE_LOG_FORMAT=json. RUST_LOG
-/// filters (default `info`).
-fn init_logging() {
-    use tracing_subscriber::EnvFilter;
-    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
-    use std::io::IsTerminal;
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_ansi(std::io::stderr().is_terminal())
-        .with_writer(std::io::stderr);
-    if std::env::var("IDEMGATE_LOG_FORMAT").is_ok_and(|f| f == "json") {
-        builder.json().init();
-    } else {
-        builder.init();
-    }
 }
 
 async fn shutdown_signal() {

@@ -39,6 +39,11 @@ pub enum Problem {
 }
 
 impl Problem {
+    /// The end of the `type` URI: a stable, bounded name (also a metrics label).
+    pub fn slug(&self) -> &'static str {
+        self.parts().1
+    }
+
     fn parts(&self) -> (StatusCode, &'static str, &'static str, String) {
         use Problem::*;
         match self {

@@ -24,7 +24,6 @@ struct Cli {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    init_logging();
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -35,7 +34,14 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    match runtime.block_on(run(cli)) {
+    let result = runtime.block_on(async {
+        let telemetry = idem_telemetry::init("idemgate-reconciler");
+        let result = run(cli).await;
+        // Flush batched spans before the process exits.
+        let _ = tokio::task::spawn_blocking(move || telemetry.shutdown()).await;
+        result
+    });
+    match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("error: {e:#}");
@@ -53,21 +59,6 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         return Ok(());
     }
     reconciler.run(shutdown_signal()).await
-}
-
-fn init_logging() {
-    use std::io::IsTerminal;
-    use tracing_subscriber::EnvFilter;
-    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_ansi(std::io::stderr().is_terminal())
-        .with_writer(std::io::stderr);
-    if std::env::var("IDEMGATE_LOG_FORMAT").is_ok_and(|f| f == "json") {
-        builder.json().init();
-    } else {
-        builder.init();
-    }
 }
 
 async fn shutdown_signal() {

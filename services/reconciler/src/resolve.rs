@@ -10,14 +10,30 @@ use http_body_util::Full;
 use idem_config::{OnUnknown, Probe, Route};
 use idem_core::Fence;
 use idem_postgres::reconcile::{self, StuckRow};
+use idem_telemetry::propagation;
 use idem_upstream::headers::{IDEMPOTENCY_KEY, X_TENANT_ID, to_stored};
 use idem_upstream::{Forwarded, UpstreamResponse};
+use tracing::Instrument;
 
 use crate::Reconciler;
 use crate::stats::Stats;
 
 impl Reconciler {
+    /// Resolves one row in an `idemgate.reconcile` span linked to the first execution.
     pub(crate) async fn resolve(&self, row: StuckRow) -> sqlx::Result<()> {
+        let span = tracing::info_span!(
+            "idemgate.reconcile",
+            tenant.id = %row.scope.tenant,
+            idempotency.endpoint = %row.scope.endpoint,
+            idempotency.key = %row.scope.key,
+        );
+        if let Some(first) = &row.trace_context {
+            propagation::link(&span, first);
+        }
+        self.decide(row).instrument(span).await
+    }
+
+    async fn decide(&self, row: StuckRow) -> sqlx::Result<()> {
         let scope = &row.scope;
         let Some(route) = self.config.routes.by_endpoint(&scope.endpoint) else {
             tracing::warn!(
