@@ -17,6 +17,7 @@
 //! | `redis.prefix` | `idem:` | prepended to every Redis key |
 //! | `redis.timeout` | `100ms` | per Redis call; past it the breaker opens |
 //! | `redis.probe_interval` | `1s` | how often an open breaker probes Redis |
+//! | `redis.local_cache_entries` | `10000` | completed responses also kept in-process (0: none) |
 //! | `auth.*` | | see `idem_auth::AuthConfig` |
 //! | `idempotency.ttl` | `24h` | how long a completed key is replayed |
 //! | `idempotency.lease` | `30s` | protection of an in-progress claim |
@@ -184,6 +185,14 @@ pub struct RedisConfig {
     /// How often an open breaker probes Redis again.
     #[serde(default = "default_redis_probe", with = "humantime_serde")]
     pub probe_interval: Duration,
+    /// Completed responses also kept in this process (0: none), so a hot replay costs
+    /// no round trip at all. Each copy expires with its ledger row.
+    #[serde(default = "default_local_cache_entries")]
+    pub local_cache_entries: usize,
+}
+
+fn default_local_cache_entries() -> usize {
+    10_000
 }
 
 fn default_redis_prefix() -> String {

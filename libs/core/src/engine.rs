@@ -164,7 +164,7 @@ impl<L: Ledger, C: Cache> Engine<L, C> {
         let attempt = AttemptId::random();
         let mut locked = false;
         match self.cache.probe(req.scope, attempt, req.policy.lease).await {
-            CacheProbe::Completed(entry) => {
+            CacheProbe::Completed(entry, _) => {
                 return Ok(if entry.fingerprint == *req.fingerprint {
                     Outcome::Replayed {
                         response: entry.response,

@@ -9,6 +9,7 @@
 //! - [`headers`]: which response headers are replayed.
 //! - [`ports`]: the [`Ledger`] and [`Cache`] traits that the storage adapters implement.
 //! - [`engine`]: claim → execute → complete/release over those two.
+//! - [`local`]: a bounded in-process cache of completed responses over another cache.
 #![forbid(unsafe_code)]
 
 pub mod canonical;
@@ -16,6 +17,7 @@ pub mod engine;
 pub mod fingerprint;
 pub mod headers;
 pub mod key;
+pub mod local;
 pub mod policy;
 pub mod ports;
 pub mod record;

@@ -92,8 +92,8 @@ pub struct CacheEntry {
 /// What the fast path knows about a scope, from one round trip.
 #[derive(Debug)]
 pub enum CacheProbe {
-    /// A completed response is cached.
-    Completed(CacheEntry),
+    /// A completed response is cached, for at most this much longer (when known).
+    Completed(CacheEntry, Option<Duration>),
     /// Another attempt took the in-progress lock `held_for` ago.
     Locked { held_for: Duration },
     /// The lock was taken for this attempt.

@@ -127,17 +127,20 @@ impl Cache for RedisCache {
             .await;
         let stats = &self.breaker.stats;
         match reply.as_deref() {
-            Some([Value::Int(1), Value::BulkString(bytes)]) => match codec::decode(bytes) {
-                Some(entry) => {
-                    stats.hits.fetch_add(1, Ordering::Relaxed);
-                    CacheProbe::Completed(entry)
+            Some([Value::Int(1), Value::BulkString(bytes), Value::Int(pttl)]) => {
+                match codec::decode(bytes) {
+                    Some(entry) => {
+                        stats.hits.fetch_add(1, Ordering::Relaxed);
+                        let left = u64::try_from(*pttl).ok().map(Duration::from_millis);
+                        CacheProbe::Completed(entry, left)
+                    }
+                    None => {
+                        stats.errors.fetch_add(1, Ordering::Relaxed);
+                        tracing::warn!(?scope, "undecodable cache entry; asking Postgres");
+                        CacheProbe::Unavailable
+                    }
                 }
-                None => {
-                    stats.errors.fetch_add(1, Ordering::Relaxed);
-                    tracing::warn!(?scope, "undecodable cache entry; asking Postgres");
-                    CacheProbe::Unavailable
-                }
-            },
+            }
             Some([Value::Int(2)]) => {
                 stats.misses.fetch_add(1, Ordering::Relaxed);
                 CacheProbe::Acquired

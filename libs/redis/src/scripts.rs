@@ -6,14 +6,14 @@ use std::sync::LazyLock;
 use redis::Script;
 
 /// KEYS: response, lock. ARGV: token, lease ms.
-/// Returns `{1, response}` (cached), `{2}` (lock taken), `{3, held ms}` (locked) or
+/// Returns `{1, response, pttl}` (cached), `{2}` (lock taken), `{3, held ms}` (locked) or
 /// `{4, error}` when the lock could not be written (e.g. OOM under `maxmemory`): Redis
 /// is up but cannot help with this request, which is no reason to open the breaker.
 pub static PROBE: LazyLock<Script> = LazyLock::new(|| {
     Script::new(
         r"
         local r = redis.call('GET', KEYS[1])
-        if r then return {1, r} end
+        if r then return {1, r, redis.call('PTTL', KEYS[1])} end
         local t = redis.call('TIME')
         local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
         local set = redis.pcall('SET', KEYS[2], ARGV[1] .. ':' .. now, 'NX', 'PX', ARGV[2])

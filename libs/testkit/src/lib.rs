@@ -540,9 +540,12 @@ impl Drop for RedisServer {
     }
 }
 
-/// The `[redis]` section for one server, with short timeouts for tests.
+/// The `[redis]` section for one server, with short timeouts for tests, and without
+/// the in-process layer, so tests see Redis itself.
 pub fn redis_section(url: &str) -> String {
-    format!("[redis]\nurl = \"{url}\"\ntimeout = \"200ms\"\nprobe_interval = \"200ms\"\n")
+    format!(
+        "[redis]\nurl = \"{url}\"\ntimeout = \"200ms\"\nprobe_interval = \"200ms\"\nlocal_cache_entries = 0\n"
+    )
 }
 
 /// Writes `text` to a config file of its own and returns the path.

@@ -14,6 +14,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use http::StatusCode;
 use idem_auth::Authenticator;
+use idem_core::local::Local;
 use idem_core::{Engine, MaybeCache};
 use idem_postgres::{PgLedger, PoolSettings};
 use idem_redis::{RedisCache, RedisSettings};
@@ -31,7 +32,7 @@ use idem_upstream::{self as upstream, HttpClient};
 pub struct AppState {
     pub auth: Authenticator,
     pub routes: RouteTable,
-    pub engine: Engine<PgLedger, MaybeCache<RedisCache>>,
+    pub engine: Engine<PgLedger, MaybeCache<Local<RedisCache>>>,
     pub client: HttpClient,
     pub max_body_bytes: usize,
     /// Forward-and-store tasks, awaited on shutdown.
@@ -75,11 +76,12 @@ impl Application {
                 .context("applying migrations")?;
         }
         let cache = match &config.redis {
-            Some(redis) => MaybeCache::Some(
+            Some(redis) => MaybeCache::Some(Local::new(
                 RedisCache::start(&redis_settings(redis))
                     .await
                     .map_err(|e| anyhow::anyhow!("redis: {e}"))?,
-            ),
+                redis.local_cache_entries,
+            )),
             None => MaybeCache::None,
         };
         let listener = TcpListener::bind(config.server.listen)
@@ -194,7 +196,7 @@ async fn readyz(State(app): State<Arc<AppState>>) -> Response {
     .await
     .is_ok_and(|r| r.is_ok());
     let redis = match app.engine.cache() {
-        MaybeCache::Some(cache) if cache.stats().up => "up",
+        MaybeCache::Some(cache) if cache.inner().stats().up => "up",
         MaybeCache::Some(_) => "down (serving from Postgres alone)",
         MaybeCache::None => "not configured",
     };
@@ -219,7 +221,8 @@ async fn metrics(State(app): State<Arc<AppState>>) -> Response {
     counter!("idemgate_fenced_completions_total")
         .absolute(app.fenced.load(std::sync::atomic::Ordering::Relaxed));
     if let MaybeCache::Some(cache) = app.engine.cache() {
-        let s = cache.stats();
+        gauge!("idemgate_local_cache_entries").set(cache.len() as f64);
+        let s = cache.inner().stats();
         gauge!("idemgate_cache_up").set(f64::from(u8::from(s.up)));
         counter!("idemgate_cache_hits_total").absolute(s.hits);
         counter!("idemgate_cache_misses_total").absolute(s.misses);
@@ -266,6 +269,10 @@ fn describe_metrics() {
         "Late completions rejected by the fence."
     );
     describe_gauge!("idemgate_cache_up", "1 while the Redis breaker is closed.");
+    describe_gauge!(
+        "idemgate_local_cache_entries",
+        "Completed responses held in this process."
+    );
     describe_counter!("idemgate_cache_hits_total", "Replays served from Redis.");
     describe_counter!(
         "idemgate_cache_misses_total",

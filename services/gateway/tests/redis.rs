@@ -558,3 +558,58 @@ async fn completions_and_releases_are_announced_over_pubsub() {
     );
     other.abort();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_in_process_layer_serves_hot_replays_without_any_round_trip() {
+    let db = TestDb::create().await;
+    let demo = Demo::start(&db).await;
+    let redis = RedisServer::start(&[]);
+    let section =
+        redis_section(&redis.url()).replace("local_cache_entries = 0", "local_cache_entries = 100");
+    let gw = Gateway::start(config(
+        &db,
+        &format!("{section}{}", payments_routes(&demo, "")),
+    ))
+    .await;
+    let http = Http::default();
+    let key = new_key();
+    let send = || {
+        http.post(&gw.url("/payments"))
+            .tenant("acme")
+            .key(&key)
+            .json(&payment("o-local", 1))
+            .send()
+    };
+    let first = send().await;
+    let (calls, redis_before) = (gw.ledger_calls(), gw.cache_stats());
+    for _ in 0..5 {
+        let replay = send().await;
+        assert!(replay.replayed());
+        assert_eq!(replay.body, first.body);
+    }
+    assert_eq!(gw.ledger_calls(), calls, "no Postgres");
+    let redis_after = gw.cache_stats();
+    assert_eq!(
+        (redis_after.hits, redis_after.misses),
+        (redis_before.hits, redis_before.misses),
+        "no Redis either"
+    );
+    // Still scoped: another tenant's same key executes.
+    let other = http
+        .post(&gw.url("/payments"))
+        .tenant("globex")
+        .key(&key)
+        .json(&payment("o-local", 1))
+        .send()
+        .await;
+    assert!(!other.replayed());
+    // And a different payload is still a mismatch.
+    let reused = http
+        .post(&gw.url("/payments"))
+        .tenant("acme")
+        .key(&key)
+        .json(&payment("o-local", 2))
+        .send()
+        .await;
+    assert_eq!(reused.problem(), "idempotency-key-reused");
+}

@@ -51,7 +51,7 @@ impl Gateway {
     /// The Redis fast path's counters (panics if `[redis]` is not configured).
     pub fn cache_stats(&self) -> idem_redis::CacheStats {
         match self.state.engine.cache() {
-            idem_core::MaybeCache::Some(cache) => cache.stats(),
+            idem_core::MaybeCache::Some(cache) => cache.inner().stats(),
             idem_core::MaybeCache::None => panic!("this gateway has no [redis]"),
         }
     }
