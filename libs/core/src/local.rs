@@ -10,6 +10,8 @@ use std::collections::{HashMap, VecDeque};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
+use bytes::Bytes;
+
 use crate::ports::{Cache, CacheEntry, CacheProbe};
 use crate::record::AttemptId;
 use crate::scope::Scope;
@@ -60,10 +62,14 @@ impl<C> Local<C> {
             return;
         }
         let until = Instant::now() + ttl;
+        // A compact copy: the body may be a slice of a much larger receive buffer, which
+        // a shared `Bytes` would keep alive for as long as the entry lives.
+        let mut entry = entry.clone();
+        entry.response.body = Bytes::copy_from_slice(&entry.response.body);
         let mut state = self.state.lock().expect("local cache lock");
         if state
             .entries
-            .insert(scope.clone(), (entry.clone(), until))
+            .insert(scope.clone(), (entry, until))
             .is_none()
         {
             state.order.push_back(scope.clone());
@@ -127,8 +133,6 @@ impl<C: Cache> Cache for Local<C> {
 
 #[cfg(test)]
 mod tests {
-    use bytes::Bytes;
-
     use super::*;
     use crate::fingerprint::Fingerprint;
     use crate::key::IdempotencyKey;

@@ -129,10 +129,23 @@ const LATENCY_BUCKETS: &[f64] = &[
 pub fn prometheus() -> &'static PrometheusHandle {
     static HANDLE: OnceLock<PrometheusHandle> = OnceLock::new();
     HANDLE.get_or_init(|| {
-        PrometheusBuilder::new()
+        let handle = PrometheusBuilder::new()
             .set_buckets_for_metric(Matcher::Suffix("_duration_seconds".into()), LATENCY_BUCKETS)
             .expect("valid buckets")
             .install_recorder()
-            .expect("the only metrics recorder of this process")
+            .expect("the only metrics recorder of this process");
+        // Histogram samples queue up until drained into their buckets: drain them
+        // regularly, or memory grows with every request between scrapes.
+        let upkeep = handle.clone();
+        std::thread::Builder::new()
+            .name("metrics-upkeep".into())
+            .spawn(move || {
+                loop {
+                    std::thread::sleep(std::time::Duration::from_secs(1));
+                    upkeep.run_upkeep();
+                }
+            })
+            .expect("spawn the metrics upkeep thread");
+        handle
     })
 }

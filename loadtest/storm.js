@@ -1,0 +1,43 @@
+// Storms: bursts of concurrent identical requests, as a flaky mobile network produces.
+// All VUs share one key per time window, so each window is one operation hit many
+// times at once: every answer is the one 201 (executed or replayed) or 409 in progress.
+import http from 'k6/http';
+import { check } from 'k6';
+import { Counter } from 'k6/metrics';
+import { BASE_URL, token, headers, paymentBody, summary } from './lib/common.js';
+
+const RUN = __ENV.RUN_ID || `${Date.now()}`;
+const WINDOW_MS = Number(__ENV.WINDOW_MS || 500);
+const conflicts = new Counter('storm_in_progress');
+const replays = new Counter('storm_replays');
+
+export const options = {
+  scenarios: {
+    storm: { executor: 'constant-vus', vus: Number(__ENV.VUS || 20), duration: __ENV.DURATION || '10s' },
+  },
+  thresholds: {
+    checks: ['rate>0.999'],
+    http_req_failed: ['rate<0.5'], // 409s count as "failed" to k6; checks are the real gate
+  },
+  summaryTrendStats: ['med', 'p(90)', 'p(99)', 'max'],
+};
+
+export function setup() {
+  return { tok: token('k6-storm') };
+}
+
+export default function (data) {
+  const window = Math.floor(Date.now() / WINDOW_MS);
+  const r = http.post(`${BASE_URL}/payments`, paymentBody(`order-${window}`, 100), {
+    headers: headers(data.tok, `storm-${RUN}-${window}`, { 'X-Demo-Delay-Ms': '50' }),
+  });
+  if (r.status === 409) conflicts.add(1);
+  if (r.headers['Idempotent-Replayed'] === 'true') replays.add(1);
+  check(r, {
+    '201 or 409 in progress': (res) =>
+      res.status === 201 ||
+      (res.status === 409 && String(res.json('type')).endsWith('idempotency-key-in-progress')),
+  });
+}
+
+export const handleSummary = summary('storm');
