@@ -1,0 +1,189 @@
+#!/usr/bin/env python3
+"""Tests of the Helm chart, without a cluster or a helm binary.
+
+Renders helm/idemgate with helm-python-sdk (Helm's own Go SDK) for the default values and
+for ci/production-values.yaml, lints it, validates every rendered manifest against the
+Kubernetes 1.30 schemas offline (kubernetes-validate), asserts the objects and security
+settings platform teams expect, and runs `idemgate check-config` on the rendered config
+with the environment the Deployment gives it, so the chart can never render a config the
+binary rejects.
+
+Usage: python3 helm/test_chart.py [path/to/idemgate binary]
+"""
+
+import os
+import subprocess
+import sys
+import tempfile
+import unittest
+from pathlib import Path
+
+import yaml
+import helm_python as helm
+
+ROOT = Path(__file__).resolve().parent.parent
+CHART = ROOT / "helm" / "idemgate"
+KUBE = "1.30.0"
+BINARY = Path(sys.argv[1] if len(sys.argv) > 1 else os.environ.get("IDEMGATE_BIN", ROOT / "target" / "debug" / "idemgate"))
+
+
+def render(values: dict) -> list[dict]:
+    chart = helm.Chart.load(str(CHART))
+    files = chart.render(values, name="demo", namespace="payments", is_install=True)
+    docs = []
+    for path, text in files.items():
+        if path.endswith("NOTES.txt"):
+            continue
+        docs.extend(d for d in yaml.safe_load_all(text) if d)
+    return docs
+
+
+def production_values() -> dict:
+    return yaml.safe_load((CHART / "ci" / "production-values.yaml").read_text())
+
+
+def by_kind(docs, kind, name_suffix=""):
+    return [d for d in docs if d["kind"] == kind and d["metadata"]["name"].endswith(name_suffix)]
+
+
+def env_map(container) -> dict:
+    return {e["name"]: e for e in container.get("env", [])}
+
+
+class ChartTest(unittest.TestCase):
+    cases = {"default": {}, "production": production_values()}
+
+    def test_lint_is_clean(self):
+        for name, values in self.cases.items():
+            result = helm.lint(str(CHART), values, strict=True, kube_version=f"v{KUBE}")
+            errors = [m for m in result.get("messages", []) if m.get("severity", 0) >= 3] + result.get("errors", [])
+            self.assertEqual(errors, [], f"{name}: {result}")
+
+    def test_manifests_validate_against_kubernetes_schemas(self):
+        for name, values in self.cases.items():
+            docs = [d for d in render(values) if d["apiVersion"] != "monitoring.coreos.com/v1"]
+            with tempfile.TemporaryDirectory() as tmp:
+                paths = []
+                for i, doc in enumerate(docs):
+                    path = Path(tmp) / f"{i:02d}-{doc['kind']}.yaml"
+                    path.write_text(yaml.safe_dump(doc))
+                    paths.append(str(path))
+                run = subprocess.run(
+                    ["kubernetes-validate", "--strict", "-k", KUBE, *paths], capture_output=True, text=True
+                )
+                self.assertEqual(run.returncode, 0, f"{name}:\n{run.stdout}\n{run.stderr}")
+
+    def test_expected_objects_are_rendered(self):
+        docs = render({})
+        kinds = sorted({d["kind"] for d in docs})
+        for kind in ["ConfigMap", "Deployment", "HorizontalPodAutoscaler", "Job", "PodDisruptionBudget",
+                     "Service", "ServiceAccount"]:
+            self.assertIn(kind, kinds)
+        self.assertEqual(len(by_kind(docs, "Deployment")), 2, "the gateway and the reconciler")
+        self.assertEqual(by_kind(docs, "ServiceMonitor") + by_kind(docs, "NetworkPolicy"), [], "optional, off by default")
+        prod = render(production_values())
+        self.assertEqual(len(by_kind(prod, "ServiceMonitor")), 1)
+        self.assertEqual(len(by_kind(prod, "NetworkPolicy")), 1)
+        self.assertEqual(prod[0]["metadata"]["name"].split("-")[0], "payments", "fullnameOverride applies")
+
+    def test_migrations_run_as_a_pre_install_and_pre_upgrade_hook(self):
+        job = by_kind(render({}), "Job")[0]
+        hooks = job["metadata"]["annotations"]["helm.sh/hook"].split(",")
+        self.assertEqual(sorted(hooks), ["pre-install", "pre-upgrade"])
+        self.assertEqual(job["spec"]["template"]["spec"]["containers"][0]["args"][0], "migrate")
+
+    def test_pods_are_locked_down_and_probed(self):
+        for name, values in self.cases.items():
+            docs = render(values)
+            for workload in by_kind(docs, "Deployment") + by_kind(docs, "Job"):
+                pod = workload["spec"]["template"]["spec"]
+                self.assertTrue(pod["securityContext"]["runAsNonRoot"], name)
+                for c in pod["containers"]:
+                    sc = c["securityContext"]
+                    self.assertFalse(sc["allowPrivilegeEscalation"], f"{name} {c['name']}")
+                    self.assertTrue(sc["readOnlyRootFilesystem"], f"{name} {c['name']}")
+                    self.assertEqual(sc["capabilities"]["drop"], ["ALL"], f"{name} {c['name']}")
+                    self.assertIn("resources", c)
+            gateway = by_kind(docs, "Deployment", "idemgate")[0]["spec"]["template"]["spec"]["containers"][0]
+            self.assertEqual(gateway["livenessProbe"]["httpGet"]["path"], "/healthz")
+            self.assertEqual(gateway["readinessProbe"]["httpGet"]["path"], "/readyz")
+
+    def test_secrets_are_referenced_never_inlined(self):
+        values = production_values()
+        docs = render(values)
+        self.assertEqual(by_kind(docs, "Secret"), [], "an existing Secret is used, none created")
+        config = by_kind(docs, "ConfigMap", "idemgate")[0]["data"]["idemgate.toml"]
+        for word in ["postgres://", "redis://", "hs256_secret =", "password"]:
+            self.assertNotIn(word, config)
+        gateway = by_kind(docs, "Deployment", "idemgate")[0]["spec"]["template"]["spec"]
+        env = env_map(gateway["containers"][0])
+        for var in ["IDEMGATE_POSTGRES__URL", "IDEMGATE_REDIS__URL"]:
+            self.assertEqual(env[var]["valueFrom"]["secretKeyRef"]["name"], "idemgate-prod", var)
+        self.assertEqual([v["secret"]["secretName"] for v in gateway["volumes"] if "secret" in v], ["idemgate-jwks"])
+        # Development: a Secret created from values, as a hook so the migrations find it.
+        dev = render({"secrets": {"create": True, "values": {
+            "postgresUrl": "postgres://u:p@db/idemgate", "redisUrl": "redis://r:6379", "jwtHs256Secret": "dev-secret-123"}}})
+        secret = by_kind(dev, "Secret")[0]
+        self.assertIn("pre-install", secret["metadata"]["annotations"]["helm.sh/hook"])
+
+    def test_config_and_secret_changes_roll_the_pods(self):
+        def checksum(values):
+            pod = by_kind(render(values), "Deployment", "idemgate")[0]["spec"]["template"]["metadata"]
+            return pod["annotations"]["checksum/config"]
+        before = checksum({})
+        after = checksum({"config": {"idempotency": {"ttl": "12h"}}})
+        self.assertNotEqual(before, after)
+
+    def test_labels_image_tag_and_otlp(self):
+        docs = render({"otel": {"endpoint": "http://collector:4318"}})
+        deploy = by_kind(docs, "Deployment", "idemgate")[0]
+        labels = deploy["metadata"]["labels"]
+        for key in ["app.kubernetes.io/name", "app.kubernetes.io/instance", "app.kubernetes.io/version",
+                    "app.kubernetes.io/managed-by", "helm.sh/chart"]:
+            self.assertIn(key, labels)
+        chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
+        container = deploy["spec"]["template"]["spec"]["containers"][0]
+        self.assertTrue(container["image"].endswith(":" + chart["appVersion"]), "image.tag defaults to appVersion")
+        self.assertEqual(env_map(container)["OTEL_EXPORTER_OTLP_ENDPOINT"]["value"], "http://collector:4318")
+
+    def test_schema_rejects_bad_values(self):
+        for bad in [{"replicas": 3}, {"auth": {"mode": "basic"}}, {"config": {"idempotency": {"ttl": "forever"}}},
+                    {"redis": {"prefix": "{x}"}}]:
+            with self.assertRaises(Exception, msg=str(bad)):
+                render(bad)
+
+    def test_rendered_config_passes_check_config(self):
+        self.assertTrue(BINARY.exists(), f"{BINARY} missing: build it with cargo build --workspace --bins")
+        for name, values in self.cases.items():
+            docs = render(values)
+            config = by_kind(docs, "ConfigMap", "idemgate")[0]["data"]["idemgate.toml"]
+            gateway = by_kind(docs, "Deployment", "idemgate")[0]["spec"]["template"]["spec"]["containers"][0]
+            with tempfile.TemporaryDirectory() as tmp:
+                (Path(tmp) / "idemgate.toml").write_text(config)
+                env = {k: v for k, v in os.environ.items() if not k.startswith("IDEMGATE_")}
+                # The Deployment's environment, with stand-ins for the secret values.
+                stand_ins = {
+                    "IDEMGATE_POSTGRES__URL": "postgres://idemgate@db:5432/idemgate",
+                    "IDEMGATE_REDIS__URL": "redis://redis:6379",
+                    "IDEMGATE_AUTH__HS256_SECRET": "a-secret-of-enough-length",
+                }
+                for var, spec in env_map(gateway).items():
+                    env[var] = stand_ins.get(var, spec.get("value", ""))
+                mounted = config.replace("/etc/idemgate/keys/", f"{tmp}/")
+                if "jwks_file" in config:
+                    (Path(tmp) / "jwks.json").write_text(
+                        (ROOT / "libs" / "auth" / "tests" / "fixtures" / "jwks.json").read_text())
+                (Path(tmp) / "idemgate.toml").write_text(mounted)
+                run = subprocess.run([str(BINARY), "check-config", "--config", f"{tmp}/idemgate.toml"],
+                                     capture_output=True, text=True, env=env)
+                self.assertEqual(run.returncode, 0, f"{name}: {run.stderr}\n{mounted}")
+
+
+if __name__ == "__main__":
+    helm.disable_logging() if hasattr(helm, "disable_logging") else None
+    runner = unittest.TextTestRunner(verbosity=2)
+    result = runner.run(unittest.defaultTestLoader.loadTestsFromTestCase(ChartTest))
+    failed = len(result.failures) + len(result.errors)
+    # In cargo's words, so scripts/test's closing line counts these too.
+    print(f"test result: {'ok' if failed == 0 else 'FAILED'}. {result.testsRun - failed} passed; {failed} failed; chart tests")
+    sys.exit(0 if failed == 0 else 1)
