@@ -12,9 +12,11 @@
 //!
 //! # Layout
 //! - [`propagation`]: W3C trace context in and out of HTTP headers, span links.
+//! - [`process`]: a service's `main`: runtime, telemetry, flush, stop signals.
 //! - [`metrics`] re-exports the `metrics` macros used across the workspace.
 #![forbid(unsafe_code)]
 
+pub mod process;
 pub mod propagation;
 
 use std::sync::OnceLock;

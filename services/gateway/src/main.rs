@@ -95,30 +95,7 @@ impl KeyArgs {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    let runtime = match tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-    {
-        Ok(rt) => rt,
-        Err(e) => {
-            eprintln!("error: cannot start the runtime: {e}");
-            return ExitCode::FAILURE;
-        }
-    };
-    let result = runtime.block_on(async {
-        let telemetry = idem_telemetry::init("idemgate");
-        let result = run(cli.command).await;
-        // Flush batched spans before the process exits.
-        let _ = tokio::task::spawn_blocking(move || telemetry.shutdown()).await;
-        result
-    });
-    match result {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
-            eprintln!("error: {e:#}");
-            ExitCode::from(2)
-        }
-    }
+    idem_telemetry::process::run("idemgate", run(cli.command))
 }
 
 async fn run(command: Command) -> anyhow::Result<()> {
@@ -134,7 +111,8 @@ async fn run(command: Command) -> anyhow::Result<()> {
             .await?;
             // On stdout, so a supervisor or test that bound port 0 can read the port.
             println!("idemgate listening on {}", app.local_addr());
-            app.run_until_stopped(shutdown_signal()).await
+            app.run_until_stopped(idem_telemetry::process::shutdown_signal())
+                .await
         }
         Command::Migrate { config } => {
             let pool = admin_pool(&load(&config.config)?).await?;
@@ -230,13 +208,4 @@ async fn admin_pool(config: &Config) -> anyhow::Result<sqlx::PgPool> {
 
 fn load(path: &Path) -> anyhow::Result<Config> {
     Ok(Config::load(path)?)
-}
-
-async fn shutdown_signal() {
-    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
-        .expect("installing the SIGTERM handler");
-    tokio::select! {
-        _ = tokio::signal::ctrl_c() => {}
-        _ = term.recv() => {}
-    }
 }

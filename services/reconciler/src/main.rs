@@ -24,30 +24,7 @@ struct Cli {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    let runtime = match tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-    {
-        Ok(rt) => rt,
-        Err(e) => {
-            eprintln!("error: cannot start the runtime: {e}");
-            return ExitCode::FAILURE;
-        }
-    };
-    let result = runtime.block_on(async {
-        let telemetry = idem_telemetry::init("idemgate-reconciler");
-        let result = run(cli).await;
-        // Flush batched spans before the process exits.
-        let _ = tokio::task::spawn_blocking(move || telemetry.shutdown()).await;
-        result
-    });
-    match result {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
-            eprintln!("error: {e:#}");
-            ExitCode::from(2)
-        }
-    }
+    idem_telemetry::process::run("idemgate-reconciler", run(cli))
 }
 
 async fn run(cli: Cli) -> anyhow::Result<()> {
@@ -58,14 +35,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         println!("{}", reconciler.stats.summary());
         return Ok(());
     }
-    reconciler.run(shutdown_signal()).await
-}
-
-async fn shutdown_signal() {
-    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
-        .expect("installing the SIGTERM handler");
-    tokio::select! {
-        _ = tokio::signal::ctrl_c() => {}
-        _ = term.recv() => {}
-    }
+    reconciler
+        .run(idem_telemetry::process::shutdown_signal())
+        .await
 }
