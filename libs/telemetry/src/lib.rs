@@ -36,6 +36,8 @@ pub use metrics;
 #[derive(Debug)]
 pub struct Telemetry {
     provider: Option<SdkTracerProvider>,
+    /// Flushes the log writer when dropped.
+    _logs: tracing_appender::non_blocking::WorkerGuard,
 }
 
 impl Telemetry {
@@ -61,9 +63,14 @@ pub fn init(service: &str) -> Telemetry {
     opentelemetry::global::set_text_map_propagator(TraceContextPropagator::new());
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
     let json = std::env::var("IDEMGATE_LOG_FORMAT").is_ok_and(|f| f == "json");
+    // Log lines are written by a thread of their own, so a request never waits on a
+    // write(2) to stderr; when its buffer is full, writers wait rather than drop lines.
+    let (writer, guard) = tracing_appender::non_blocking::NonBlockingBuilder::default()
+        .lossy(false)
+        .finish(std::io::stderr());
     let fmt = tracing_subscriber::fmt::layer()
         .with_ansi(std::io::stderr().is_terminal())
-        .with_writer(std::io::stderr);
+        .with_writer(writer);
     let fmt = if json {
         fmt.json().boxed()
     } else {
@@ -87,7 +94,10 @@ pub fn init(service: &str) -> Telemetry {
     if let Some(error) = error {
         tracing::error!(%error, "OTLP trace export could not start; traces are not exported");
     }
-    Telemetry { provider }
+    Telemetry {
+        provider,
+        _logs: guard,
+    }
 }
 
 fn exporter_configured() -> bool {
