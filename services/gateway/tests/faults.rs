@@ -10,10 +10,7 @@ use http::StatusCode;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_upstream_500_releases_the_key_and_a_retry_executes() {
-    let db = TestDb::create().await;
-    let demo = Demo::start(&db).await;
-    let gw = Gateway::start(config(&db, &payments_routes(&demo, ""))).await;
-    let http = Http::default();
+    let (db, gw, http) = setup("").await;
     let key = new_key();
     let failed = http
         .post(&gw.url("/payments"))
@@ -197,10 +194,7 @@ async fn concurrent_retries_of_an_expired_key_execute_once() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_that_hangs_up_does_not_leave_the_claim_half_done() {
-    let db = TestDb::create().await;
-    let demo = Demo::start(&db).await;
-    let gw = Gateway::start(config(&db, &payments_routes(&demo, ""))).await;
-    let http = Http::default();
+    let (db, gw, http) = setup("").await;
     let key = new_key();
     let impatient = tokio::spawn(
         http.post(&gw.url("/payments"))
@@ -232,10 +226,7 @@ async fn a_client_that_hangs_up_does_not_leave_the_claim_half_done() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn shutdown_finishes_in_flight_requests_and_stops_accepting() {
-    let db = TestDb::create().await;
-    let demo = Demo::start(&db).await;
-    let mut gw = Gateway::start(config(&db, &payments_routes(&demo, ""))).await;
-    let http = Http::default();
+    let (db, mut gw, http) = setup("").await;
     let key = new_key();
     let in_flight = tokio::spawn(
         http.post(&gw.url("/payments"))

@@ -71,10 +71,7 @@ async fn a_storm_of_identical_requests_across_two_gateways_executes_once() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_replay_is_byte_identical_with_a_fresh_date() {
-    let db = TestDb::create().await;
-    let demo = Demo::start(&db).await;
-    let gw = Gateway::start(config(&db, &payments_routes(&demo, ""))).await;
-    let http = Http::default();
+    let (db, gw, http) = setup("").await;
     let key = new_key();
     let send = || {
         http.post(&gw.url("/payments"))
@@ -111,10 +108,7 @@ async fn a_replay_is_byte_identical_with_a_fresh_date() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn equivalent_json_is_the_same_request() {
-    let db = TestDb::create().await;
-    let demo = Demo::start(&db).await;
-    let gw = Gateway::start(config(&db, &payments_routes(&demo, ""))).await;
-    let http = Http::default();
+    let (_db, gw, http) = setup("").await;
     let key = new_key();
     let first = http
         .post(&gw.url("/payments"))
@@ -137,10 +131,7 @@ async fn equivalent_json_is_the_same_request() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_key_reused_with_another_payload_is_refused_on_both_paths() {
-    let db = TestDb::create().await;
-    let demo = Demo::start(&db).await;
-    let gw = Gateway::start(config(&db, &payments_routes(&demo, ""))).await;
-    let http = Http::default();
+    let (db, gw, http) = setup("").await;
 
     // After completion: the claim finds a completed row with another fingerprint.
     let key = new_key();
@@ -221,10 +212,7 @@ async fn mismatch_status_can_be_422() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tenants_are_isolated_even_with_the_same_key() {
-    let db = TestDb::create().await;
-    let demo = Demo::start(&db).await;
-    let gw = Gateway::start(config(&db, &payments_routes(&demo, ""))).await;
-    let http = Http::default();
+    let (db, gw, http) = setup("").await;
     let key = new_key();
     let send = |tenant: &'static str, amount| {
         http.post(&gw.url("/payments"))
@@ -252,10 +240,7 @@ async fn tenants_are_isolated_even_with_the_same_key() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_same_key_on_two_endpoints_is_two_operations() {
-    let db = TestDb::create().await;
-    let demo = Demo::start(&db).await;
-    let gw = Gateway::start(config(&db, &payments_routes(&demo, ""))).await;
-    let http = Http::default();
+    let (db, gw, http) = setup("").await;
     let key = new_key();
     let paid = http
         .post(&gw.url("/payments"))
@@ -325,10 +310,7 @@ async fn a_path_template_is_one_endpoint() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_concurrent_retry_can_wait_for_the_result() {
-    let db = TestDb::create().await;
-    let demo = Demo::start(&db).await;
-    let gw = Gateway::start(config(&db, &payments_routes(&demo, ""))).await;
-    let http = Http::default();
+    let (db, gw, http) = setup("").await;
     let key = new_key();
     let first = tokio::spawn(
         http.post(&gw.url("/payments"))
@@ -388,10 +370,7 @@ async fn the_wait_policy_can_be_the_routes_default() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn keys_are_validated_and_sent_upstream_unquoted() {
-    let db = TestDb::create().await;
-    let demo = Demo::start(&db).await;
-    let gw = Gateway::start(config(&db, &payments_routes(&demo, ""))).await;
-    let http = Http::default();
+    let (db, gw, http) = setup("").await;
     let post = || {
         http.post(&gw.url("/payments"))
             .tenant("acme")
@@ -433,10 +412,7 @@ async fn keys_are_validated_and_sent_upstream_unquoted() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_bodies_get_4xx_and_claim_nothing() {
-    let db = TestDb::create().await;
-    let demo = Demo::start(&db).await;
-    let gw = Gateway::start(config(&db, &payments_routes(&demo, ""))).await;
-    let http = Http::default();
+    let (db, gw, http) = setup("").await;
     for bad in [
         r#"{"orderId": "o", "amountUah": 1"#,
         r#"{"a":1,"a":2}"#,
@@ -469,10 +445,7 @@ async fn bad_bodies_get_4xx_and_claim_nothing() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn unconfigured_routes_are_404() {
-    let db = TestDb::create().await;
-    let demo = Demo::start(&db).await;
-    let gw = Gateway::start(config(&db, &payments_routes(&demo, ""))).await;
-    let http = Http::default();
+    let (_db, gw, http) = setup("").await;
     let wrong_path = http
         .post(&gw.url("/nope"))
         .tenant("acme")
@@ -493,10 +466,7 @@ async fn unconfigured_routes_are_404() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn plain_routes_are_proxied_with_the_tokens_tenant() {
-    let db = TestDb::create().await;
-    let demo = Demo::start(&db).await;
-    let gw = Gateway::start(config(&db, &payments_routes(&demo, ""))).await;
-    let http = Http::default();
+    let (db, gw, http) = setup("").await;
     let key = new_key();
     let paid = http
         .post(&gw.url("/payments"))
@@ -530,10 +500,7 @@ async fn plain_routes_are_proxied_with_the_tokens_tenant() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_route_without_key_required_passes_keyless_requests_unprotected() {
-    let db = TestDb::create().await;
-    let demo = Demo::start(&db).await;
-    let gw = Gateway::start(config(&db, &payments_routes(&demo, "key_required = false"))).await;
-    let http = Http::default();
+    let (db, gw, http) = setup("key_required = false").await;
     for _ in 0..2 {
         let answer = http
             .post(&gw.url("/payments"))
@@ -565,10 +532,7 @@ async fn a_route_without_key_required_passes_keyless_requests_unprotected() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn health_endpoints_need_no_token() {
-    let db = TestDb::create().await;
-    let demo = Demo::start(&db).await;
-    let gw = Gateway::start(config(&db, &payments_routes(&demo, ""))).await;
-    let http = Http::default();
+    let (_db, gw, http) = setup("").await;
     assert_eq!(
         http.get(&gw.url("/healthz")).send().await.status,
         StatusCode::OK

@@ -15,6 +15,8 @@ pub fn config(db: &TestDb, extra: &str) -> Config {
 /// A gateway running in this process, stopped when dropped (or via `stop`).
 pub struct Gateway {
     pub addr: SocketAddr,
+    /// Upstream processes that live as long as this gateway.
+    upstreams: Vec<Demo>,
     pub state: std::sync::Arc<idemgate::app::AppState>,
     stop: Option<tokio::sync::oneshot::Sender<()>>,
     pub task: Option<tokio::task::JoinHandle<anyhow::Result<()>>>,
@@ -33,6 +35,7 @@ impl Gateway {
         }));
         Self {
             addr,
+            upstreams: Vec::new(),
             state,
             stop: Some(tx),
             task: Some(task),
@@ -71,4 +74,15 @@ impl Drop for Gateway {
             let _ = tx.send(());
         }
     }
+}
+
+/// The usual setup: a fresh database, the payments demo (kept alive by the gateway),
+/// one gateway on the payments routes (`route_extra` goes on the POST /payments route),
+/// and a client.
+pub async fn setup(route_extra: &str) -> (TestDb, Gateway, Http) {
+    let db = TestDb::create().await;
+    let demo = Demo::start(&db).await;
+    let mut gw = Gateway::start(config(&db, &payments_routes(&demo, route_extra))).await;
+    gw.upstreams.push(demo);
+    (db, gw, Http::default())
 }
