@@ -106,7 +106,15 @@ enum KeySet {
 pub struct Authenticator {
     keys: KeySet,
     tenant_claim: String,
+    leeway: u64,
+    /// Tokens verified before, with their tenant and the second (Unix time) after which
+    /// they expire: a client sends the same token with every request, and verifying it
+    /// again gives the same answer until it expires.
+    verified: std::sync::Mutex<std::collections::HashMap<String, (Tenant, u64)>>,
 }
+
+/// How many verified tokens are remembered; past it the memory starts over.
+const VERIFIED_CAPACITY: usize = 10_000;
 
 impl std::fmt::Debug for Authenticator {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -173,11 +181,33 @@ impl Authenticator {
         Ok(Self {
             keys,
             tenant_claim: config.tenant_claim.clone(),
+            leeway: config.leeway.as_secs(),
+            verified: Default::default(),
         })
     }
 
     /// Verifies a token and returns its tenant.
     pub fn verify(&self, token: &str) -> Result<Tenant, AuthError> {
+        let now = now_secs();
+        if let Some((tenant, until)) = self.verified.lock().expect("verified lock").get(token)
+            && now <= *until
+        {
+            return Ok(tenant.clone());
+        }
+        let (tenant, exp) = self.verify_signed(token)?;
+        let mut verified = self.verified.lock().expect("verified lock");
+        if verified.len() >= VERIFIED_CAPACITY {
+            verified.clear();
+        }
+        verified.insert(
+            token.to_owned(),
+            (tenant.clone(), exp.saturating_add(self.leeway)),
+        );
+        Ok(tenant)
+    }
+
+    /// Full verification: the tenant and the token's `exp`.
+    fn verify_signed(&self, token: &str) -> Result<(Tenant, u64), AuthError> {
         let pinned = match &self.keys {
             KeySet::One(key) => key,
             KeySet::ByKid(set) => {
@@ -197,12 +227,21 @@ impl Authenticator {
         let data =
             jsonwebtoken::decode::<Map<String, Value>>(token, &pinned.key, &pinned.validation)
                 .map_err(|e| classify(e.into_kind()))?;
+        // `exp` is required and was checked, so it is a number here.
+        let exp = data.claims.get("exp").and_then(Value::as_u64).unwrap_or(0);
         match data.claims.get(&self.tenant_claim) {
             None | Some(Value::Null) => Err(AuthError::TenantMissing(self.tenant_claim.clone())),
-            Some(Value::String(t)) if valid_tenant(t) => Ok(Tenant(t.clone())),
+            Some(Value::String(t)) if valid_tenant(t) => Ok((Tenant(t.clone()), exp)),
             Some(_) => Err(AuthError::TenantInvalid(self.tenant_claim.clone())),
         }
     }
+}
+
+fn now_secs() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap_or_default()
+        .as_secs()
 }
 
 fn valid_tenant(t: &str) -> bool {
@@ -259,10 +298,7 @@ pub fn mint_hs256(
     issuer: Option<&str>,
     audience: Option<&str>,
 ) -> Result<String, jsonwebtoken::errors::Error> {
-    let now = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap_or_default()
-        .as_secs();
+    let now = now_secs();
     let mut claims = Map::new();
     claims.insert(tenant_claim.to_owned(), Value::from(tenant));
     claims.insert("sub".into(), Value::from(format!("dev:{tenant}")));

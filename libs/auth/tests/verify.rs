@@ -398,3 +398,26 @@ fn minted_dev_tokens_verify() {
     .unwrap();
     assert_eq!(auth.verify(&token), Ok(Tenant("acme".into())));
 }
+
+#[test]
+fn a_remembered_token_still_expires() {
+    let auth = Authenticator::from_config(&hs_config()).unwrap();
+    let token = hs256(&claims(json!({"exp": now() + 2})));
+    assert!(auth.verify(&token).is_ok());
+    assert!(auth.verify(&token).is_ok(), "served from memory");
+    std::thread::sleep(Duration::from_millis(3100));
+    assert_eq!(auth.verify(&token), Err(AuthError::Expired));
+}
+
+#[test]
+fn a_refused_token_is_not_remembered_as_good() {
+    let auth = Authenticator::from_config(&hs_config()).unwrap();
+    let forged = sign(
+        Header::new(Algorithm::HS256),
+        &claims(json!({})),
+        &EncodingKey::from_secret(b"another-secret-entirely").unwrap(),
+    );
+    for _ in 0..2 {
+        assert_eq!(auth.verify(&forged), Err(AuthError::BadSignature));
+    }
+}
