@@ -81,19 +81,8 @@ async fn two_gateways(db: &TestDb, demo: &Demo, redis_url: &str) -> (Gateway, Ga
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_warm_replay_makes_no_postgres_query() {
-    let db = TestDb::create().await;
-    let demo = Demo::start(&db).await;
     let redis = RedisServer::start(&[]);
-    let gw = Gateway::start(config(
-        &db,
-        &format!(
-            "{}{}",
-            redis_section(&redis.url()),
-            payments_routes(&demo, "")
-        ),
-    ))
-    .await;
-    let http = Http::default();
+    let (_db, gw, http) = setup_with(&redis_section(&redis.url()), "").await;
     let key = new_key();
     let send = || {
         http.post(&gw.url("/payments"))
@@ -143,19 +132,8 @@ async fn a_warm_replay_makes_no_postgres_query() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_concurrent_duplicate_is_turned_away_by_the_lock_alone() {
-    let db = TestDb::create().await;
-    let demo = Demo::start(&db).await;
     let redis = RedisServer::start(&[]);
-    let gw = Gateway::start(config(
-        &db,
-        &format!(
-            "{}{}",
-            redis_section(&redis.url()),
-            payments_routes(&demo, "")
-        ),
-    ))
-    .await;
-    let http = Http::default();
+    let (_db, gw, http) = setup_with(&redis_section(&redis.url()), "").await;
     let key = new_key();
     let first = tokio::spawn(
         http.post(&gw.url("/payments"))

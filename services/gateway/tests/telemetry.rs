@@ -230,19 +230,8 @@ fn sample(text: &str, series: &str) -> f64 {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn metrics_parse_as_prometheus_text_and_move_with_requests() {
-    let db = TestDb::create().await;
-    let demo = Demo::start(&db).await;
     let redis = RedisServer::start(&[]);
-    let gw = Gateway::start(config(
-        &db,
-        &format!(
-            "{}{}",
-            redis_section(&redis.url()),
-            payments_routes(&demo, "")
-        ),
-    ))
-    .await;
-    let http = Http::default();
+    let (_db, gw, http) = setup_with(&redis_section(&redis.url()), "").await;
     let scrape = async || {
         String::from_utf8(http.get(&gw.url("/metrics")).send().await.body.to_vec()).unwrap()
     };

@@ -80,9 +80,15 @@ impl Drop for Gateway {
 /// one gateway on the payments routes (`route_extra` goes on the POST /payments route),
 /// and a client.
 pub async fn setup(route_extra: &str) -> (TestDb, Gateway, Http) {
+    setup_with("", route_extra).await
+}
+
+/// [`setup`], with `sections` (e.g. a `[redis]` section) added to the config.
+pub async fn setup_with(sections: &str, route_extra: &str) -> (TestDb, Gateway, Http) {
     let db = TestDb::create().await;
     let demo = Demo::start(&db).await;
-    let mut gw = Gateway::start(config(&db, &payments_routes(&demo, route_extra))).await;
+    let routes = payments_routes(&demo, route_extra);
+    let mut gw = Gateway::start(config(&db, &format!("{sections}\n{routes}"))).await;
     gw.upstreams.push(demo);
     (db, gw, Http::default())
 }
