@@ -150,6 +150,23 @@ impl<L: Ledger, C: Cache> Engine<L, C> {
         &self.cache
     }
 
+    /// Answers a request from a completed response held in this process, if there is
+    /// one: a replay or a mismatch, decided without I/O. `None`: [`Engine::run`] it.
+    pub fn peek<R>(&self, req: Request<'_>) -> Option<Outcome<R>> {
+        let entry = self.cache.peek(req.scope)?;
+        Some(if entry.fingerprint == *req.fingerprint {
+            Outcome::Replayed {
+                response: entry.response,
+                trace_context: entry.trace_context,
+                waited: false,
+            }
+        } else {
+            Outcome::Mismatch {
+                trace_context: entry.trace_context,
+            }
+        })
+    }
+
     /// Runs one request. `execute` is called at most once, and only after the ledger
     /// granted this attempt the claim.
     pub async fn run<R, F, Fut>(

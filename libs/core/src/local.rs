@@ -129,6 +129,10 @@ impl<C: Cache> Cache for Local<C> {
     async fn changed(&self, scope: &Scope) {
         self.inner.changed(scope).await;
     }
+
+    fn peek(&self, scope: &Scope) -> Option<CacheEntry> {
+        self.get(scope)
+    }
 }
 
 #[cfg(test)]

@@ -138,6 +138,12 @@ pub trait Cache: Send + Sync {
     /// Resolves when the scope may have changed (a completion or release was announced).
     /// A cache that cannot tell never resolves; the engine polls the ledger anyway.
     fn changed(&self, scope: &Scope) -> impl Future<Output = ()> + Send;
+
+    /// A completed response held in this process, if any: no I/O and no side effect
+    /// (unlike [`Cache::probe`], which may take a lock).
+    fn peek(&self, _scope: &Scope) -> Option<CacheEntry> {
+        None
+    }
 }
 
 /// No cache: every request goes to the ledger.
@@ -183,6 +189,12 @@ impl<C: Cache> Cache for MaybeCache<C> {
     async fn unlock(&self, scope: &Scope, attempt: AttemptId) {
         if let Self::Some(c) = self {
             c.unlock(scope, attempt).await;
+        }
+    }
+    fn peek(&self, scope: &Scope) -> Option<CacheEntry> {
+        match self {
+            Self::Some(c) => c.peek(scope),
+            Self::None => None,
         }
     }
     async fn changed(&self, scope: &Scope) {

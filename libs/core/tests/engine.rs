@@ -383,3 +383,42 @@ async fn a_wait_that_times_out_reports_in_progress() {
         "one claim, then polling reads"
     );
 }
+
+#[tokio::test]
+async fn peek_answers_from_the_in_process_cache_only() {
+    use idem_core::local::Local;
+    use idem_core::{Cache, CacheEntry, NoCache};
+    let engine = Engine::with_cache(MemLedger::default(), Local::new(NoCache, 10));
+    let (scope, policy) = (scope(), policy());
+    let (paid, other) = (fp(r#"{"a":1}"#), fp(r#"{"a":2}"#));
+    let req = |fingerprint| Request {
+        scope: &scope,
+        fingerprint,
+        policy: &policy,
+        wait: None,
+        trace_context: None,
+    };
+    assert!(engine.peek::<u16>(req(&paid)).is_none(), "nothing held yet");
+    let entry = CacheEntry {
+        fingerprint: paid,
+        response: response(201, "paid"),
+        trace_context: None,
+    };
+    engine
+        .cache()
+        .fill(&scope, &entry, Duration::from_secs(60))
+        .await;
+    assert!(matches!(
+        engine.peek::<u16>(req(&paid)),
+        Some(Outcome::Replayed { .. })
+    ));
+    assert!(matches!(
+        engine.peek::<u16>(req(&other)),
+        Some(Outcome::Mismatch { .. })
+    ));
+    assert_eq!(
+        engine.ledger().claims.load(Ordering::SeqCst),
+        0,
+        "no ledger call"
+    );
+}

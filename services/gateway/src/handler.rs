@@ -148,26 +148,41 @@ async fn serve(app: Arc<AppState>, request: Request<Body>, span: Span) -> Handle
             .map(str::to_owned)
     });
 
-    // Claim, forward and store in a task of its own: a client that hangs up drops
-    // this handler's future, and must not cancel the forward-and-store half way.
-    let task = {
-        let (app, route) = (app.clone(), route.clone());
-        app.tasks.clone().spawn(
-            async move {
-                let request = idem_core::Request {
-                    scope: &scope,
-                    fingerprint: &fingerprint,
-                    policy: &route.policy,
-                    wait,
-                    trace_context: trace_context.as_deref(),
-                };
-                let execute = |attempt| execute(&app, &route, &parts, &tenant, &key, body, attempt);
-                app.engine.run(request, execute).await
-            }
-            .instrument(span.clone()),
-        )
+    // A completed response held in this process answers without I/O and without a task.
+    let peeked = app.engine.peek(idem_core::Request {
+        scope: &scope,
+        fingerprint: &fingerprint,
+        policy: &route.policy,
+        wait,
+        trace_context: trace_context.as_deref(),
+    });
+    let result = match peeked {
+        Some(outcome) => Ok(Ok(outcome)),
+        // Claim, forward and store in a task of its own: a client that hangs up drops
+        // this handler's future, and must not cancel the forward-and-store half way.
+        None => {
+            let (app, route) = (app.clone(), route.clone());
+            app.tasks
+                .clone()
+                .spawn(
+                    async move {
+                        let request = idem_core::Request {
+                            scope: &scope,
+                            fingerprint: &fingerprint,
+                            policy: &route.policy,
+                            wait,
+                            trace_context: trace_context.as_deref(),
+                        };
+                        let execute =
+                            |attempt| execute(&app, &route, &parts, &tenant, &key, body, attempt);
+                        app.engine.run(request, execute).await
+                    }
+                    .instrument(span.clone()),
+                )
+                .await
+        }
     };
-    let (response, outcome) = match task.await {
+    let (response, outcome) = match result {
         Ok(Ok(outcome)) => {
             let name = outcome.name();
             match &outcome {
