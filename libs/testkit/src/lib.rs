@@ -349,6 +349,11 @@ impl Http {
         self.call(Method::POST, url)
     }
 
+    /// The common idempotent call: POST `body` as JSON to `url` as `tenant` with `key`.
+    pub fn pay(&self, url: &str, tenant: &str, key: &str, body: &str) -> Call {
+        self.post(url).tenant(tenant).key(key).json(body)
+    }
+
     pub fn get(&self, url: &str) -> Call {
         self.call(Method::GET, url)
     }

@@ -29,10 +29,7 @@ async fn an_upstream_500_releases_the_key_and_a_retry_executes() {
     assert_eq!(db.ledger_rows("acme").await, 0, "released");
 
     let retry = http
-        .post(&gw.url("/payments"))
-        .tenant("acme")
-        .key(&key)
-        .json(&payment("o-500", 100))
+        .pay(&gw.url("/payments"), "acme", &key, &payment("o-500", 100))
         .send()
         .await;
     assert_eq!(retry.status, StatusCode::CREATED);
@@ -56,10 +53,7 @@ async fn an_unreachable_upstream_gives_502_and_releases_the_key() {
     let key = new_key();
     for _ in 0..2 {
         let answer = http
-            .post(&gw.url("/payments"))
-            .tenant("acme")
-            .key(&key)
-            .json(&payment("o", 1))
+            .pay(&gw.url("/payments"), "acme", &key, &payment("o", 1))
             .send()
             .await;
         // Not 409 the second time: the first attempt released the key.
@@ -90,20 +84,14 @@ async fn an_upstream_timeout_gives_504_and_holds_the_key() {
     // The demo did insert (it sleeps after committing): the outcome is unknown, so the
     // key stays held and a retry must not execute again.
     let retry = http
-        .post(&gw.url("/payments"))
-        .tenant("acme")
-        .key(&key)
-        .json(&payment("o-slow", 100))
+        .pay(&gw.url("/payments"), "acme", &key, &payment("o-slow", 100))
         .send()
         .await;
     assert_eq!(retry.status, StatusCode::CONFLICT);
     assert_eq!(retry.problem(), "idempotency-key-in-progress");
     tokio::time::sleep(Duration::from_millis(1500)).await;
     let later = http
-        .post(&gw.url("/payments"))
-        .tenant("acme")
-        .key(&key)
-        .json(&payment("o-slow", 100))
+        .pay(&gw.url("/payments"), "acme", &key, &payment("o-slow", 100))
         .send()
         .await;
     assert_eq!(later.status, StatusCode::CONFLICT);
@@ -112,20 +100,10 @@ async fn an_upstream_timeout_gives_504_and_holds_the_key() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_expired_key_executes_again_even_before_any_purge() {
-    let db = TestDb::create().await;
-    let demo = Demo::start(&db).await;
-    let gw = Gateway::start(config(
-        &db,
-        &payments_routes(&demo, "ttl = \"1s\"\nlease = \"1s\"\ntimeout = \"900ms\""),
-    ))
-    .await;
-    let http = Http::default();
+    let (db, gw, http) = setup("ttl = \"1s\"\nlease = \"1s\"\ntimeout = \"900ms\"").await;
     let key = new_key();
     let send = || {
-        http.post(&gw.url("/payments"))
-            .tenant("acme")
-            .key(&key)
-            .json(&payment("o-ttl", 100))
+        http.pay(&gw.url("/payments"), "acme", &key, &payment("o-ttl", 100))
             .send()
     };
     let first = send().await;
@@ -150,19 +128,9 @@ async fn an_expired_key_executes_again_even_before_any_purge() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn concurrent_retries_of_an_expired_key_execute_once() {
-    let db = TestDb::create().await;
-    let demo = Demo::start(&db).await;
-    let gw = Gateway::start(config(
-        &db,
-        &payments_routes(&demo, "ttl = \"1s\"\nlease = \"1s\"\ntimeout = \"900ms\""),
-    ))
-    .await;
-    let http = Http::default();
+    let (db, gw, http) = setup("ttl = \"1s\"\nlease = \"1s\"\ntimeout = \"900ms\"").await;
     let key = new_key();
-    http.post(&gw.url("/payments"))
-        .tenant("acme")
-        .key(&key)
-        .json(&payment("o", 1))
+    http.pay(&gw.url("/payments"), "acme", &key, &payment("o", 1))
         .send()
         .await;
     tokio::time::sleep(Duration::from_millis(1200)).await;
@@ -210,10 +178,12 @@ async fn a_client_that_hangs_up_does_not_leave_the_claim_half_done() {
 
     tokio::time::sleep(Duration::from_millis(700)).await;
     let retry = http
-        .post(&gw.url("/payments"))
-        .tenant("acme")
-        .key(&key)
-        .json(&payment("o-hangup", 100))
+        .pay(
+            &gw.url("/payments"),
+            "acme",
+            &key,
+            &payment("o-hangup", 100),
+        )
         .send()
         .await;
     assert_eq!(retry.status, StatusCode::CREATED);

@@ -74,10 +74,7 @@ async fn a_replay_is_byte_identical_with_a_fresh_date() {
     let (db, gw, http) = setup("").await;
     let key = new_key();
     let send = || {
-        http.post(&gw.url("/payments"))
-            .tenant("acme")
-            .key(&key)
-            .json(&payment("order-1", 250))
+        http.pay(&gw.url("/payments"), "acme", &key, &payment("order-1", 250))
             .send()
     };
 
@@ -136,18 +133,12 @@ async fn a_key_reused_with_another_payload_is_refused_on_both_paths() {
     // After completion: the claim finds a completed row with another fingerprint.
     let key = new_key();
     let first = http
-        .post(&gw.url("/payments"))
-        .tenant("acme")
-        .key(&key)
-        .json(&payment("o-1", 100))
+        .pay(&gw.url("/payments"), "acme", &key, &payment("o-1", 100))
         .send()
         .await;
     assert_eq!(first.status, StatusCode::CREATED);
     let reused = http
-        .post(&gw.url("/payments"))
-        .tenant("acme")
-        .key(&key)
-        .json(&payment("o-1", 999))
+        .pay(&gw.url("/payments"), "acme", &key, &payment("o-1", 999))
         .send()
         .await;
     assert_eq!(reused.status, StatusCode::CONFLICT);
@@ -167,10 +158,7 @@ async fn a_key_reused_with_another_payload_is_refused_on_both_paths() {
     );
     tokio::time::sleep(std::time::Duration::from_millis(150)).await;
     let conflicting = http
-        .post(&gw.url("/payments"))
-        .tenant("acme")
-        .key(&key)
-        .json(&payment("o-2", 5))
+        .pay(&gw.url("/payments"), "acme", &key, &payment("o-2", 5))
         .send()
         .await;
     assert_eq!(conflicting.status, StatusCode::CONFLICT);
@@ -193,17 +181,11 @@ async fn mismatch_status_can_be_422() {
     .await;
     let http = Http::default();
     let key = new_key();
-    http.post(&gw.url("/payments"))
-        .tenant("acme")
-        .key(&key)
-        .json(&payment("o", 1))
+    http.pay(&gw.url("/payments"), "acme", &key, &payment("o", 1))
         .send()
         .await;
     let reused = http
-        .post(&gw.url("/payments"))
-        .tenant("acme")
-        .key(&key)
-        .json(&payment("o", 2))
+        .pay(&gw.url("/payments"), "acme", &key, &payment("o", 2))
         .send()
         .await;
     assert_eq!(reused.status, StatusCode::UNPROCESSABLE_ENTITY);
@@ -243,10 +225,7 @@ async fn the_same_key_on_two_endpoints_is_two_operations() {
     let (db, gw, http) = setup("").await;
     let key = new_key();
     let paid = http
-        .post(&gw.url("/payments"))
-        .tenant("acme")
-        .key(&key)
-        .json(&payment("o", 100))
+        .pay(&gw.url("/payments"), "acme", &key, &payment("o", 100))
         .send()
         .await;
     let refund = format!(
@@ -339,14 +318,7 @@ async fn a_concurrent_retry_can_wait_for_the_result() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_wait_policy_can_be_the_routes_default() {
-    let db = TestDb::create().await;
-    let demo = Demo::start(&db).await;
-    let gw = Gateway::start(config(
-        &db,
-        &payments_routes(&demo, "on_in_progress = \"wait\""),
-    ))
-    .await;
-    let http = Http::default();
+    let (_db, gw, http) = setup("on_in_progress = \"wait\"").await;
     let key = new_key();
     let first = tokio::spawn(
         http.post(&gw.url("/payments"))
@@ -358,10 +330,7 @@ async fn the_wait_policy_can_be_the_routes_default() {
     );
     tokio::time::sleep(std::time::Duration::from_millis(150)).await;
     let waiting = http
-        .post(&gw.url("/payments"))
-        .tenant("acme")
-        .key(&key)
-        .json(&payment("o-w", 100))
+        .pay(&gw.url("/payments"), "acme", &key, &payment("o-w", 100))
         .send()
         .await;
     assert_eq!(waiting.status, StatusCode::CREATED);
@@ -469,10 +438,7 @@ async fn plain_routes_are_proxied_with_the_tokens_tenant() {
     let (db, gw, http) = setup("").await;
     let key = new_key();
     let paid = http
-        .post(&gw.url("/payments"))
-        .tenant("acme")
-        .key(&key)
-        .json(&payment("o", 7))
+        .pay(&gw.url("/payments"), "acme", &key, &payment("o", 7))
         .send()
         .await;
     // The client claims to be another tenant; the gateway overwrites X-Tenant-Id from
@@ -520,10 +486,7 @@ async fn a_route_without_key_required_passes_keyless_requests_unprotected() {
     // With a key, the route is protected as usual.
     let key = new_key();
     for _ in 0..2 {
-        http.post(&gw.url("/payments"))
-            .tenant("acme")
-            .key(&key)
-            .json(&payment("o-k", 1))
+        http.pay(&gw.url("/payments"), "acme", &key, &payment("o-k", 1))
             .send()
             .await;
     }

@@ -85,10 +85,7 @@ async fn a_warm_replay_makes_no_postgres_query() {
     let (_db, gw, http) = setup_with(&redis_section(&redis.url()), "").await;
     let key = new_key();
     let send = || {
-        http.post(&gw.url("/payments"))
-            .tenant("acme")
-            .key(&key)
-            .json(&payment("o-warm", 100))
+        http.pay(&gw.url("/payments"), "acme", &key, &payment("o-warm", 100))
             .send()
     };
     let first = send().await;
@@ -111,20 +108,19 @@ async fn a_warm_replay_makes_no_postgres_query() {
 
     // A mismatch is caught from the cache too, still without Postgres.
     let reused = http
-        .post(&gw.url("/payments"))
-        .tenant("acme")
-        .key(&key)
-        .json(&payment("o-warm", 5))
+        .pay(&gw.url("/payments"), "acme", &key, &payment("o-warm", 5))
         .send()
         .await;
     assert_eq!(reused.problem(), "idempotency-key-reused");
     assert_eq!(gw.ledger_calls(), calls);
     // Another tenant's same key is not in acme's cache entry.
     let other = http
-        .post(&gw.url("/payments"))
-        .tenant("globex")
-        .key(&key)
-        .json(&payment("o-warm", 100))
+        .pay(
+            &gw.url("/payments"),
+            "globex",
+            &key,
+            &payment("o-warm", 100),
+        )
         .send()
         .await;
     assert!(!other.replayed());
@@ -146,10 +142,7 @@ async fn a_concurrent_duplicate_is_turned_away_by_the_lock_alone() {
     tokio::time::sleep(Duration::from_millis(150)).await;
     let calls = gw.ledger_calls();
     let duplicate = http
-        .post(&gw.url("/payments"))
-        .tenant("acme")
-        .key(&key)
-        .json(&payment("o-lock", 1))
+        .pay(&gw.url("/payments"), "acme", &key, &payment("o-lock", 1))
         .send()
         .await;
     assert_eq!(duplicate.problem(), "idempotency-key-in-progress");
@@ -289,11 +282,13 @@ async fn a_restarted_redis_is_used_again_without_restarting_the_gateway() {
     let http = Http::default();
     let key = new_key();
     let send = || {
-        http.post(&gw.url("/payments"))
-            .tenant("acme")
-            .key(&key)
-            .json(&payment("o-restart", 100))
-            .send()
+        http.pay(
+            &gw.url("/payments"),
+            "acme",
+            &key,
+            &payment("o-restart", 100),
+        )
+        .send()
     };
     let first = send().await;
 
@@ -351,17 +346,11 @@ async fn redis_down_at_start_up_does_not_stop_the_gateway() {
     let key = new_key();
     let started = std::time::Instant::now();
     let first = http
-        .post(&gw.url("/payments"))
-        .tenant("acme")
-        .key(&key)
-        .json(&payment("o", 1))
+        .pay(&gw.url("/payments"), "acme", &key, &payment("o", 1))
         .send()
         .await;
     let replay = http
-        .post(&gw.url("/payments"))
-        .tenant("acme")
-        .key(&key)
-        .json(&payment("o", 1))
+        .pay(&gw.url("/payments"), "acme", &key, &payment("o", 1))
         .send()
         .await;
     assert_eq!(first.status, StatusCode::CREATED);
@@ -469,17 +458,11 @@ async fn a_three_node_cluster_serves_the_fast_path_and_holds_the_storm() {
         let key = new_key();
         let http = Http::default();
         let first = http
-            .post(&a.url("/payments"))
-            .tenant("acme")
-            .key(&key)
-            .json(&payment("o", 1))
+            .pay(&a.url("/payments"), "acme", &key, &payment("o", 1))
             .send()
             .await;
         let replay = http
-            .post(&b.url("/payments"))
-            .tenant("acme")
-            .key(&key)
-            .json(&payment("o", 1))
+            .pay(&b.url("/payments"), "acme", &key, &payment("o", 1))
             .send()
             .await;
         assert_eq!(replay.body, first.body);
@@ -552,10 +535,7 @@ async fn the_in_process_layer_serves_hot_replays_without_any_round_trip() {
     let http = Http::default();
     let key = new_key();
     let send = || {
-        http.post(&gw.url("/payments"))
-            .tenant("acme")
-            .key(&key)
-            .json(&payment("o-local", 1))
+        http.pay(&gw.url("/payments"), "acme", &key, &payment("o-local", 1))
             .send()
     };
     let first = send().await;
@@ -574,19 +554,13 @@ async fn the_in_process_layer_serves_hot_replays_without_any_round_trip() {
     );
     // Still scoped: another tenant's same key executes.
     let other = http
-        .post(&gw.url("/payments"))
-        .tenant("globex")
-        .key(&key)
-        .json(&payment("o-local", 1))
+        .pay(&gw.url("/payments"), "globex", &key, &payment("o-local", 1))
         .send()
         .await;
     assert!(!other.replayed());
     // And a different payload is still a mismatch.
     let reused = http
-        .post(&gw.url("/payments"))
-        .tenant("acme")
-        .key(&key)
-        .json(&payment("o-local", 2))
+        .pay(&gw.url("/payments"), "acme", &key, &payment("o-local", 2))
         .send()
         .await;
     assert_eq!(reused.problem(), "idempotency-key-reused");

@@ -243,10 +243,7 @@ async fn metrics_parse_as_prometheus_text_and_move_with_requests() {
 
     let key = new_key();
     for _ in 0..3 {
-        http.post(&gw.url("/payments"))
-            .tenant("acme")
-            .key(&key)
-            .json(&payment("o-m", 1))
+        http.pay(&gw.url("/payments"), "acme", &key, &payment("o-m", 1))
             .send()
             .await;
     }

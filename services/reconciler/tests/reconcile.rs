@@ -121,10 +121,7 @@ async fn an_upstream_timeout_is_resolved_by_the_probe() {
         pass.stderr
     );
     let replay = http
-        .post(&gw.url("/payments"))
-        .tenant("acme")
-        .key(&key)
-        .json(&payment("o-504", 100))
+        .pay(&gw.url("/payments"), "acme", &key, &payment("o-504", 100))
         .send()
         .await;
     assert_eq!(replay.status, StatusCode::OK);
@@ -158,10 +155,7 @@ async fn a_probe_404_releases_the_key_and_the_retry_executes_once() {
     {
         let gw = GatewayProcess::start(&lost).await;
         let timed_out = http
-            .post(&gw.url("/payments"))
-            .tenant("acme")
-            .key(&key)
-            .json(&payment("o-404", 1))
+            .pay(&gw.url("/payments"), "acme", &key, &payment("o-404", 1))
             .send()
             .await;
         assert_eq!(timed_out.status, StatusCode::GATEWAY_TIMEOUT);
@@ -178,10 +172,7 @@ async fn a_probe_404_releases_the_key_and_the_retry_executes_once() {
 
     let gw = GatewayProcess::start(&cfg).await;
     let retry = http
-        .post(&gw.url("/payments"))
-        .tenant("acme")
-        .key(&key)
-        .json(&payment("o-404", 1))
+        .pay(&gw.url("/payments"), "acme", &key, &payment("o-404", 1))
         .send()
         .await;
     assert_eq!(retry.status, StatusCode::CREATED);
