@@ -49,6 +49,7 @@ start_gateway() { # name "extra toml"; sets GW_URL and GW_PID
   cat >"$WORK/$1.toml" <<TOML
 [server]
 listen = "127.0.0.1:$port"
+${GW_THREADS:+worker_threads = $GW_THREADS}
 [postgres]
 url = "$DB_URL"
 max_connections = ${PG_POOL:-16}

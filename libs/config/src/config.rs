@@ -9,6 +9,7 @@
 //! | `server.listen` | `127.0.0.1:8080` | address to serve on |
 //! | `server.max_body_bytes` | `1048576` | larger request bodies get 413 |
 //! | `server.shutdown_grace` | `10s` | how long in-flight requests may finish after SIGTERM |
+//! | `server.worker_threads` | one per CPU | threads serving requests |
 //! | `postgres.url` | (required) | the ledger's database |
 //! | `postgres.max_connections` | `16` | pool size |
 //! | `postgres.acquire_timeout` | `2s` | wait for a pooled connection |
@@ -92,6 +93,8 @@ pub struct ServerConfig {
     pub max_body_bytes: usize,
     #[serde(with = "humantime_serde")]
     pub shutdown_grace: Duration,
+    /// Runtime worker threads; `None`: one per CPU the process may use.
+    pub worker_threads: Option<usize>,
 }
 
 impl Default for ServerConfig {
@@ -100,6 +103,7 @@ impl Default for ServerConfig {
             listen: SocketAddr::from(([127, 0, 0, 1], 8080)),
             max_body_bytes: 1024 * 1024,
             shutdown_grace: Duration::from_secs(10),
+            worker_threads: None,
         }
     }
 }
@@ -406,6 +410,9 @@ impl RawConfig {
         if self.server.max_body_bytes == 0 {
             return Err(ConfigError::new("server.max_body_bytes", "must be greater than 0").into());
         }
+        if self.server.worker_threads == Some(0) {
+            return Err(ConfigError::new("server.worker_threads", "must be greater than 0").into());
+        }
         if self.postgres.max_connections == 0 {
             return Err(
                 ConfigError::new("postgres.max_connections", "must be greater than 0").into(),
@@ -648,6 +655,7 @@ mod tests {
         let config = with(ROUTE).unwrap();
         assert_eq!(config.server.listen.to_string(), "127.0.0.1:8080");
         assert_eq!(config.server.max_body_bytes, 1024 * 1024);
+        assert_eq!(config.server.worker_threads, None);
         let route = &config.routes.routes()[0];
         assert_eq!(route.endpoint, "POST /payments");
         assert_eq!(route.policy.ttl, Duration::from_secs(86_400));
@@ -682,6 +690,10 @@ mod tests {
             "idempotency.mismatch_status"
         );
         assert_eq!(error_key("[server]\nlisten = \"nowhere\""), "server.listen");
+        assert_eq!(
+            error_key("[server]\nworker_threads = 0"),
+            "server.worker_threads"
+        );
         assert_eq!(
             error_key(&format!("{ROUTE}\ntimeout = \"10 parsecs\"")),
             "routes[0].timeout"

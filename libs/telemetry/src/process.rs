@@ -5,14 +5,20 @@ use std::fmt::Display;
 use std::future::Future;
 use std::process::ExitCode;
 
-/// Runs `main` on a multi-threaded runtime with telemetry installed for `service`,
+/// Runs `main` on a multi-threaded runtime (`worker_threads` threads, or one per CPU)
+/// with telemetry installed for `service`,
 /// flushes traces afterwards, and turns an error into exit code 2 with the error on
 /// stderr.
-pub fn run<E: Display>(service: &str, main: impl Future<Output = Result<(), E>>) -> ExitCode {
-    let runtime = match tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-    {
+pub fn run<E: Display>(
+    service: &str,
+    worker_threads: Option<usize>,
+    main: impl Future<Output = Result<(), E>>,
+) -> ExitCode {
+    let mut builder = tokio::runtime::Builder::new_multi_thread();
+    if let Some(threads) = worker_threads {
+        builder.worker_threads(threads);
+    }
+    let runtime = match builder.enable_all().build() {
         Ok(runtime) => runtime,
         Err(e) => {
             eprintln!("error: cannot start the runtime: {e}");

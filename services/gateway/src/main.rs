@@ -8,6 +8,12 @@ use clap::{Parser, Subcommand};
 use idemgate::{Application, BuildOptions, Config};
 use secrecy::ExposeSecret;
 
+/// mimalloc instead of glibc's malloc: the request path allocates and frees many small
+/// buffers across threads, where glibc spent about a sixth of the gateway's CPU
+/// (loadtest/bench, case c).
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 #[derive(Debug, Parser)]
 #[command(
     name = "idemgate",
@@ -95,25 +101,34 @@ impl KeyArgs {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    idem_telemetry::process::run("idemgate", run(cli.command))
+    match cli.command {
+        // The config is read before the runtime starts: it says how many threads to run.
+        Command::Serve { config, no_migrate } => match load(&config.config) {
+            Ok(config) => idem_telemetry::process::run(
+                "idemgate",
+                config.server.worker_threads,
+                serve(config, !no_migrate),
+            ),
+            Err(e) => {
+                eprintln!("error: {e:#}");
+                ExitCode::from(2)
+            }
+        },
+        command => idem_telemetry::process::run("idemgate", None, run(command)),
+    }
+}
+
+async fn serve(config: Config, migrate: bool) -> anyhow::Result<()> {
+    let app = Application::build(config, BuildOptions { migrate }).await?;
+    // On stdout, so a supervisor or test that bound port 0 can read the port.
+    println!("idemgate listening on {}", app.local_addr());
+    app.run_until_stopped(idem_telemetry::process::shutdown_signal())
+        .await
 }
 
 async fn run(command: Command) -> anyhow::Result<()> {
     match command {
-        Command::Serve { config, no_migrate } => {
-            let config = load(&config.config)?;
-            let app = Application::build(
-                config,
-                BuildOptions {
-                    migrate: !no_migrate,
-                },
-            )
-            .await?;
-            // On stdout, so a supervisor or test that bound port 0 can read the port.
-            println!("idemgate listening on {}", app.local_addr());
-            app.run_until_stopped(idem_telemetry::process::shutdown_signal())
-                .await
-        }
+        Command::Serve { config, no_migrate } => serve(load(&config.config)?, !no_migrate).await,
         Command::Migrate { config } => {
             let pool = admin_pool(&load(&config.config)?).await?;
             idem_postgres::migrate(&pool)

@@ -24,7 +24,7 @@ struct Cli {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    idem_telemetry::process::run("idemgate-reconciler", run(cli))
+    idem_telemetry::process::run("idemgate-reconciler", None, run(cli))
 }
 
 async fn run(cli: Cli) -> anyhow::Result<()> {
