@@ -25,9 +25,8 @@ use serde_json::{Value, json};
 use sqlx::{PgPool, Row};
 use uuid::Uuid;
 
-/// mimalloc instead of glibc's malloc: the request path allocates and frees many small
-/// buffers across threads, where glibc spent about a sixth of the gateway's CPU
-/// (loadtest/bench, case c).
+/// mimalloc instead of glibc's malloc, as in the gateway: the demo is the upstream of
+/// every benchmark case, and glibc's allocator was a visible share of its CPU.
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
