@@ -48,10 +48,10 @@ pub async fn connect(url: &str, settings: &PoolSettings) -> Result<PgPool, sqlx:
     PgPoolOptions::new()
         .max_connections(settings.max_connections)
         .acquire_timeout(settings.acquire_timeout)
-        // sqlx pings every connection it hands out: one extra round trip per statement,
-        // which on a busy gateway costs Postgres as much CPU as a third of the statement
-        // itself. A connection that answered a moment ago needs no proof of life; one
-        // that sat idle (across a restart, a failover, an idle-killing proxy) gets it.
+        // sqlx pings every connection it hands out by default: one extra round trip per
+        // statement (about a tenth of Postgres's CPU per new key in loadtest/bench). A
+        // connection that answered a moment ago needs no proof of life; one that sat
+        // idle (across a restart, a failover, an idle-killing proxy) still gets it.
         .test_before_acquire(false)
         .before_acquire(|conn, meta| {
             Box::pin(async move {

@@ -6,9 +6,8 @@ use std::future::Future;
 use std::process::ExitCode;
 
 /// Runs `main` on a multi-threaded runtime (`worker_threads` threads, or one per CPU)
-/// with telemetry installed for `service`,
-/// flushes traces afterwards, and turns an error into exit code 2 with the error on
-/// stderr.
+/// with telemetry installed for `service`, flushes traces afterwards, and turns an error
+/// into exit code 2 with the error on stderr.
 pub fn run<E: Display>(
     service: &str,
     worker_threads: Option<usize>,
