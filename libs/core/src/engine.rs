@@ -121,6 +121,22 @@ const LOCK_TRUSTED_FOR: Duration = Duration::from_secs(1);
 /// The longest pause between ledger reads while waiting for another attempt.
 const MAX_POLL: Duration = Duration::from_millis(200);
 
+/// A cached completed response answers a request: a replay if it is the same request,
+/// a mismatch otherwise.
+fn cached<R>(entry: CacheEntry, fingerprint: &Fingerprint) -> Outcome<R> {
+    if entry.fingerprint == *fingerprint {
+        Outcome::Replayed {
+            response: entry.response,
+            trace_context: entry.trace_context,
+            waited: false,
+        }
+    } else {
+        Outcome::Mismatch {
+            trace_context: entry.trace_context,
+        }
+    }
+}
+
 /// Drives requests through a ledger and a cache.
 #[derive(Debug, Clone)]
 pub struct Engine<L, C = NoCache> {
@@ -153,18 +169,9 @@ impl<L: Ledger, C: Cache> Engine<L, C> {
     /// Answers a request from a completed response held in this process, if there is
     /// one: a replay or a mismatch, decided without I/O. `None`: [`Engine::run`] it.
     pub fn peek<R>(&self, req: Request<'_>) -> Option<Outcome<R>> {
-        let entry = self.cache.peek(req.scope)?;
-        Some(if entry.fingerprint == *req.fingerprint {
-            Outcome::Replayed {
-                response: entry.response,
-                trace_context: entry.trace_context,
-                waited: false,
-            }
-        } else {
-            Outcome::Mismatch {
-                trace_context: entry.trace_context,
-            }
-        })
+        self.cache
+            .peek(req.scope)
+            .map(|entry| cached(entry, req.fingerprint))
     }
 
     /// Runs one request. `execute` is called at most once, and only after the ledger
@@ -181,19 +188,7 @@ impl<L: Ledger, C: Cache> Engine<L, C> {
         let attempt = AttemptId::random();
         let mut locked = false;
         match self.cache.probe(req.scope, attempt, req.policy.lease).await {
-            CacheProbe::Completed(entry, _) => {
-                return Ok(if entry.fingerprint == *req.fingerprint {
-                    Outcome::Replayed {
-                        response: entry.response,
-                        trace_context: entry.trace_context,
-                        waited: false,
-                    }
-                } else {
-                    Outcome::Mismatch {
-                        trace_context: entry.trace_context,
-                    }
-                });
-            }
+            CacheProbe::Completed(entry, _) => return Ok(cached(entry, req.fingerprint)),
             CacheProbe::Locked { held_for }
                 if held_for < LOCK_TRUSTED_FOR && req.wait.is_none() =>
             {

@@ -390,6 +390,12 @@ impl Call {
         self.header("idempotency-key", key)
     }
 
+    /// Asks payments-demo to answer only `millis` after its insert committed, so the
+    /// first execution stays in flight while a test does something else.
+    pub fn demo_delay(self, millis: u64) -> Self {
+        self.header("x-demo-delay-ms", &millis.to_string())
+    }
+
     pub fn json(mut self, body: &str) -> Self {
         *self.request.body_mut() = Full::new(Bytes::copy_from_slice(body.as_bytes()));
         self.header("content-type", "application/json")
@@ -422,6 +428,17 @@ impl Call {
 }
 
 /// A payment body.
+/// Starts `request` in a task of its own and gives it `head_start` to get under way
+/// (claimed, and the upstream called) before the test goes on.
+pub async fn in_flight<T: Send + 'static>(
+    request: impl Future<Output = T> + Send + 'static,
+    head_start: Duration,
+) -> tokio::task::JoinHandle<T> {
+    let task = tokio::spawn(request);
+    tokio::time::sleep(head_start).await;
+    task
+}
+
 pub fn payment(order: &str, amount: u64) -> String {
     format!(r#"{{"orderId": "{order}", "amountUah": {amount}}}"#)
 }

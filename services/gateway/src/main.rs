@@ -126,9 +126,10 @@ async fn serve(config: Config, migrate: bool) -> anyhow::Result<()> {
         .await
 }
 
+/// The administrative commands: everything but `serve`, which `main` runs itself.
 async fn run(command: Command) -> anyhow::Result<()> {
     match command {
-        Command::Serve { config, no_migrate } => serve(load(&config.config)?, !no_migrate).await,
+        Command::Serve { .. } => unreachable!("main() reads the config and serves"),
         Command::Migrate { config } => {
             let pool = admin_pool(&load(&config.config)?).await?;
             idem_postgres::migrate(&pool)

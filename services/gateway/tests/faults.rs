@@ -74,7 +74,7 @@ async fn an_upstream_timeout_gives_504_and_holds_the_key() {
         .post(&gw.url("/payments"))
         .tenant("acme")
         .key(&key)
-        .header("x-demo-delay-ms", "1500")
+        .demo_delay(1500)
         .json(&payment("o-slow", 100))
         .send()
         .await;
@@ -140,7 +140,7 @@ async fn concurrent_retries_of_an_expired_key_execute_once() {
                 http.post(&gw.url("/payments"))
                     .tenant("acme")
                     .key(&key)
-                    .header("x-demo-delay-ms", "200")
+                    .demo_delay(200)
                     .json(&payment("o", 1))
                     .send(),
             )
@@ -164,15 +164,18 @@ async fn concurrent_retries_of_an_expired_key_execute_once() {
 async fn a_client_that_hangs_up_does_not_leave_the_claim_half_done() {
     let (db, gw, http) = setup("").await;
     let key = new_key();
-    let impatient = tokio::spawn(
-        http.post(&gw.url("/payments"))
-            .tenant("acme")
-            .key(&key)
-            .header("x-demo-delay-ms", "500")
-            .json(&payment("o-hangup", 100))
-            .send(),
-    );
-    tokio::time::sleep(Duration::from_millis(150)).await;
+    let impatient = in_flight(
+        http.pay(
+            &gw.url("/payments"),
+            "acme",
+            &key,
+            &payment("o-hangup", 100),
+        )
+        .demo_delay(500)
+        .send(),
+        Duration::from_millis(150),
+    )
+    .await;
     impatient.abort(); // drops the connection mid-request
     assert!(impatient.await.unwrap_err().is_cancelled());
 
@@ -198,17 +201,15 @@ async fn a_client_that_hangs_up_does_not_leave_the_claim_half_done() {
 async fn shutdown_finishes_in_flight_requests_and_stops_accepting() {
     let (db, mut gw, http) = setup("").await;
     let key = new_key();
-    let in_flight = tokio::spawn(
-        http.post(&gw.url("/payments"))
-            .tenant("acme")
-            .key(&key)
-            .header("x-demo-delay-ms", "600")
-            .json(&payment("o-drain", 100))
+    let draining = in_flight(
+        http.pay(&gw.url("/payments"), "acme", &key, &payment("o-drain", 100))
+            .demo_delay(600)
             .send(),
-    );
-    tokio::time::sleep(Duration::from_millis(150)).await;
+        Duration::from_millis(150),
+    )
+    .await;
     let serving = gw.stop();
-    let answer = in_flight.await.unwrap();
+    let answer = draining.await.unwrap();
     assert_eq!(
         answer.status,
         StatusCode::CREATED,

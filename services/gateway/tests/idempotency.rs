@@ -27,7 +27,7 @@ async fn a_storm_of_identical_requests_across_two_gateways_executes_once() {
             .bearer(&token)
             .key(&key)
             // Keeps the first execution in flight while the rest arrive.
-            .header("x-demo-delay-ms", "300")
+            .demo_delay(300)
             .json(&payment("order-storm", 100));
         calls.push(tokio::spawn(call.send()));
     }
@@ -148,15 +148,13 @@ async fn a_key_reused_with_another_payload_is_refused_on_both_paths() {
 
     // While in progress: the conflict is a mismatch, not "in progress".
     let key = new_key();
-    let slow = tokio::spawn(
-        http.post(&gw.url("/payments"))
-            .tenant("acme")
-            .key(&key)
-            .header("x-demo-delay-ms", "500")
-            .json(&payment("o-2", 100))
+    let slow = in_flight(
+        http.pay(&gw.url("/payments"), "acme", &key, &payment("o-2", 100))
+            .demo_delay(500)
             .send(),
-    );
-    tokio::time::sleep(std::time::Duration::from_millis(150)).await;
+        std::time::Duration::from_millis(150),
+    )
+    .await;
     let conflicting = http
         .pay(&gw.url("/payments"), "acme", &key, &payment("o-2", 5))
         .send()
@@ -291,15 +289,13 @@ async fn a_path_template_is_one_endpoint() {
 async fn a_concurrent_retry_can_wait_for_the_result() {
     let (db, gw, http) = setup("").await;
     let key = new_key();
-    let first = tokio::spawn(
-        http.post(&gw.url("/payments"))
-            .tenant("acme")
-            .key(&key)
-            .header("x-demo-delay-ms", "600")
-            .json(&payment("o-wait", 100))
+    let first = in_flight(
+        http.pay(&gw.url("/payments"), "acme", &key, &payment("o-wait", 100))
+            .demo_delay(600)
             .send(),
-    );
-    tokio::time::sleep(std::time::Duration::from_millis(150)).await;
+        std::time::Duration::from_millis(150),
+    )
+    .await;
     let waiting = http
         .post(&gw.url("/payments"))
         .tenant("acme")
@@ -320,15 +316,13 @@ async fn a_concurrent_retry_can_wait_for_the_result() {
 async fn the_wait_policy_can_be_the_routes_default() {
     let (_db, gw, http) = setup("on_in_progress = \"wait\"").await;
     let key = new_key();
-    let first = tokio::spawn(
-        http.post(&gw.url("/payments"))
-            .tenant("acme")
-            .key(&key)
-            .header("x-demo-delay-ms", "600")
-            .json(&payment("o-w", 100))
+    let first = in_flight(
+        http.pay(&gw.url("/payments"), "acme", &key, &payment("o-w", 100))
+            .demo_delay(600)
             .send(),
-    );
-    tokio::time::sleep(std::time::Duration::from_millis(150)).await;
+        std::time::Duration::from_millis(150),
+    )
+    .await;
     let waiting = http
         .pay(&gw.url("/payments"), "acme", &key, &payment("o-w", 100))
         .send()

@@ -27,7 +27,7 @@ async fn storm(
                 http.post(&gw.url("/payments"))
                     .bearer(&token)
                     .key(key)
-                    .header("x-demo-delay-ms", "300")
+                    .demo_delay(300)
                     .json(&payment("order-storm", 100))
                     .send(),
             )
@@ -131,15 +131,13 @@ async fn a_concurrent_duplicate_is_turned_away_by_the_lock_alone() {
     let redis = RedisServer::start(&[]);
     let (_db, gw, http) = setup_with(&redis_section(&redis.url()), "").await;
     let key = new_key();
-    let first = tokio::spawn(
-        http.post(&gw.url("/payments"))
-            .tenant("acme")
-            .key(&key)
-            .header("x-demo-delay-ms", "500")
-            .json(&payment("o-lock", 1))
+    let first = in_flight(
+        http.pay(&gw.url("/payments"), "acme", &key, &payment("o-lock", 1))
+            .demo_delay(500)
             .send(),
-    );
-    tokio::time::sleep(Duration::from_millis(150)).await;
+        Duration::from_millis(150),
+    )
+    .await;
     let calls = gw.ledger_calls();
     let duplicate = http
         .pay(&gw.url("/payments"), "acme", &key, &payment("o-lock", 1))
@@ -369,15 +367,13 @@ async fn a_waiting_retry_is_woken_by_pubsub_and_gets_the_replay() {
     let (a, b) = two_gateways(&db, &demo, &redis.url()).await;
     let http = Http::default();
     let key = new_key();
-    let first = tokio::spawn(
-        http.post(&a.url("/payments"))
-            .tenant("acme")
-            .key(&key)
-            .header("x-demo-delay-ms", "600")
-            .json(&payment("o-wait", 100))
+    let first = in_flight(
+        http.pay(&a.url("/payments"), "acme", &key, &payment("o-wait", 100))
+            .demo_delay(600)
             .send(),
-    );
-    tokio::time::sleep(Duration::from_millis(150)).await;
+        Duration::from_millis(150),
+    )
+    .await;
     // On the other gateway, so the wake-up must cross Redis.
     let waiting = http
         .post(&b.url("/payments"))

@@ -54,7 +54,7 @@ async fn a_gateway_killed_mid_request_is_resolved_by_the_probe() {
         http.post(&gw.url("/payments"))
             .tenant("acme")
             .key(&key)
-            .header("x-demo-delay-ms", "800")
+            .demo_delay(800)
             .json(&payment("o-kill", 100))
             .try_send()
     };
@@ -106,7 +106,7 @@ async fn an_upstream_timeout_is_resolved_by_the_probe() {
         http.post(&gw.url("/payments"))
             .tenant("acme")
             .key(&key)
-            .header("x-demo-delay-ms", "1000")
+            .demo_delay(1000)
             .json(&payment("o-504", 100))
             .send()
     };
@@ -188,15 +188,13 @@ async fn a_paused_gateways_late_completion_is_fenced_out() {
     let gw = GatewayProcess::start(&cfg).await;
     let http = Http::default();
     let key = new_key();
-    let in_flight = tokio::spawn(
-        http.post(&gw.url("/payments"))
-            .tenant("acme")
-            .key(&key)
-            .header("x-demo-delay-ms", "800")
-            .json(&payment("o-pause", 100))
+    let paused = in_flight(
+        http.pay(&gw.url("/payments"), "acme", &key, &payment("o-pause", 100))
+            .demo_delay(800)
             .try_send(),
-    );
-    tokio::time::sleep(Duration::from_millis(300)).await;
+        Duration::from_millis(300),
+    )
+    .await;
     signal(gw.pid(), "STOP");
     past_lease().await;
     tokio::time::sleep(Duration::from_millis(500)).await; // the demo has answered by now
@@ -212,7 +210,7 @@ async fn a_paused_gateways_late_completion_is_fenced_out() {
     assert_eq!(resolved.1, Some(200), "the probe's answer");
 
     signal(gw.pid(), "CONT");
-    let _ = tokio::time::timeout(Duration::from_secs(5), in_flight).await;
+    let _ = tokio::time::timeout(Duration::from_secs(5), paused).await;
     tokio::time::sleep(Duration::from_millis(300)).await;
     assert_eq!(
         row(&db, &key).await.unwrap(),
