@@ -8,7 +8,14 @@
 //!
 //! Input that could mean two things is refused rather than guessed at: duplicate member
 //! names, lone UTF-16 surrogates, and anything that is not strict RFC 8259 JSON.
+//!
+//! # Cost
+//! Linear in the input, plus a sort of each object's members (n log n), whatever the
+//! shape: the document is parsed once into a flat arena of nodes, each object's members
+//! are sorted (duplicates are then neighbours), and the canonical form is written once,
+//! every byte of it exactly once. Nothing is re-scanned or copied per nesting level.
 
+use std::cmp::Ordering;
 use std::fmt;
 
 /// Nesting deeper than this is refused, so a hostile body cannot exhaust the stack.
@@ -32,24 +39,126 @@ impl std::error::Error for JsonError {}
 
 /// Parses `input` as strict JSON and returns its canonical form.
 pub fn canonicalize(input: &[u8]) -> Result<Vec<u8>, JsonError> {
+    if u32::try_from(input.len()).is_err() {
+        return Err(JsonError {
+            message: "document too large".into(),
+            offset: 0,
+        });
+    }
+    // JSON text is UTF-8 (RFC 8259 §8.1): checked once here, so every slice taken below
+    // at an ASCII delimiter is a valid `str`.
+    let text = std::str::from_utf8(input).map_err(|e| JsonError {
+        message: "invalid UTF-8".into(),
+        offset: e.valid_up_to(),
+    })?;
     let mut parser = Parser {
-        input,
+        text,
+        bytes: input,
         pos: 0,
-        out: Vec::with_capacity(input.len()),
+        doc: Doc::default(),
+        open_kids: Vec::new(),
+        open_members: Vec::new(),
     };
     parser.skip_whitespace();
-    parser.value(0)?;
+    let root = parser.value(0)?;
     parser.skip_whitespace();
     if parser.pos != input.len() {
         return Err(parser.error("unexpected data after the JSON value"));
     }
-    Ok(parser.out)
+    let mut out = Vec::with_capacity(input.len());
+    parser.doc.write(root, text, &mut out);
+    Ok(out)
+}
+
+/// A parsed value. Ranges are `u32` offsets (the input is at most 4 GiB).
+#[derive(Debug, Clone, Copy)]
+enum Node {
+    Literal(&'static [u8]),
+    /// A number token, as written: a range of the input.
+    Number(u32, u32),
+    /// A decoded string: a range of [`Doc::strings`].
+    Str(u32, u32),
+    /// Elements: a range of [`Doc::kids`].
+    Array(u32, u32),
+    /// Members, sorted by name: a range of [`Doc::members`].
+    Object(u32, u32),
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Member {
+    /// The decoded name: a range of [`Doc::strings`].
+    name: (u32, u32),
+    /// Where the name starts in the input, for error messages.
+    at: u32,
+    value: u32,
+}
+
+/// The parsed document: every node, container children stored contiguously.
+#[derive(Debug, Default)]
+struct Doc {
+    nodes: Vec<Node>,
+    kids: Vec<u32>,
+    members: Vec<Member>,
+    strings: String,
+}
+
+impl Doc {
+    fn push(&mut self, node: Node) -> u32 {
+        self.nodes.push(node);
+        (self.nodes.len() - 1) as u32
+    }
+
+    fn string(&self, (start, end): (u32, u32)) -> &str {
+        &self.strings[start as usize..end as usize]
+    }
+
+    /// Writes the canonical form of `node`. Recursion is bounded by [`MAX_DEPTH`].
+    fn write(&self, node: u32, input: &str, out: &mut Vec<u8>) {
+        match self.nodes[node as usize] {
+            Node::Literal(word) => out.extend_from_slice(word),
+            Node::Number(start, end) => {
+                out.extend_from_slice(&input.as_bytes()[start as usize..end as usize]);
+            }
+            Node::Str(start, end) => write_string(out, self.string((start, end))),
+            Node::Array(start, end) => {
+                out.push(b'[');
+                for (i, &kid) in self.kids[start as usize..end as usize].iter().enumerate() {
+                    if i > 0 {
+                        out.push(b',');
+                    }
+                    self.write(kid, input, out);
+                }
+                out.push(b']');
+            }
+            Node::Object(start, end) => {
+                out.push(b'{');
+                for (i, m) in self.members[start as usize..end as usize]
+                    .iter()
+                    .enumerate()
+                {
+                    if i > 0 {
+                        out.push(b',');
+                    }
+                    write_string(out, self.string(m.name));
+                    out.push(b':');
+                    self.write(m.value, input, out);
+                }
+                out.push(b'}');
+            }
+        }
+    }
 }
 
 struct Parser<'a> {
-    input: &'a [u8],
+    text: &'a str,
+    bytes: &'a [u8],
     pos: usize,
-    out: Vec<u8>,
+    doc: Doc,
+    /// Children of the arrays being parsed, innermost last; moved into `doc.kids` (so
+    /// that each array's children are contiguous) when the array closes.
+    open_kids: Vec<u32>,
+    /// Likewise for the members of the objects being parsed.
+    open_members: Vec<Member>,
 }
 
 impl Parser<'_> {
@@ -61,7 +170,7 @@ impl Parser<'_> {
     }
 
     fn peek(&self) -> Option<u8> {
-        self.input.get(self.pos).copied()
+        self.bytes.get(self.pos).copied()
     }
 
     fn skip_whitespace(&mut self) {
@@ -79,127 +188,127 @@ impl Parser<'_> {
         }
     }
 
-    fn value(&mut self, depth: usize) -> Result<(), JsonError> {
+    fn value(&mut self, depth: usize) -> Result<u32, JsonError> {
         if depth > MAX_DEPTH {
             return Err(self.error(format!("nesting deeper than {MAX_DEPTH} levels")));
         }
-        match self.peek() {
-            Some(b'{') => self.object(depth),
-            Some(b'[') => self.array(depth),
+        let node = match self.peek() {
+            Some(b'{') => return self.object(depth),
+            Some(b'[') => return self.array(depth),
             Some(b'"') => {
-                let s = self.string()?;
-                write_string(&mut self.out, &s);
-                Ok(())
+                let (start, end) = self.string()?;
+                Node::Str(start, end)
             }
-            Some(b'-' | b'0'..=b'9') => self.number(),
-            Some(b't') => self.literal(b"true"),
-            Some(b'f') => self.literal(b"false"),
-            Some(b'n') => self.literal(b"null"),
-            Some(_) => Err(self.error("expected a JSON value")),
-            None => Err(self.error("unexpected end of input")),
-        }
+            Some(b'-' | b'0'..=b'9') => {
+                let start = self.pos as u32;
+                self.number()?;
+                Node::Number(start, self.pos as u32)
+            }
+            Some(b't') => self.literal(b"true")?,
+            Some(b'f') => self.literal(b"false")?,
+            Some(b'n') => self.literal(b"null")?,
+            Some(_) => return Err(self.error("expected a JSON value")),
+            None => return Err(self.error("unexpected end of input")),
+        };
+        Ok(self.doc.push(node))
     }
 
-    fn literal(&mut self, word: &[u8]) -> Result<(), JsonError> {
-        if self.input[self.pos..].starts_with(word) {
+    fn literal(&mut self, word: &'static [u8]) -> Result<Node, JsonError> {
+        if self.bytes[self.pos..].starts_with(word) {
             self.pos += word.len();
-            self.out.extend_from_slice(word);
-            Ok(())
+            Ok(Node::Literal(word))
         } else {
             Err(self.error("expected a JSON value"))
         }
     }
 
-    fn object(&mut self, depth: usize) -> Result<(), JsonError> {
+    fn object(&mut self, depth: usize) -> Result<u32, JsonError> {
         self.expect(b'{')?;
-        let mut members: Vec<(Vec<u16>, String, Vec<u8>)> = Vec::new();
+        let open = self.open_members.len();
         self.skip_whitespace();
         if self.peek() == Some(b'}') {
             self.pos += 1;
-            self.out.extend_from_slice(b"{}");
-            return Ok(());
-        }
-        loop {
-            self.skip_whitespace();
-            if self.peek() != Some(b'"') {
-                return Err(self.error("expected a member name"));
-            }
-            let name_at = self.pos;
-            let name = self.string()?;
-            let utf16: Vec<u16> = name.encode_utf16().collect();
-            if members.iter().any(|(k, _, _)| *k == utf16) {
-                return Err(JsonError {
-                    message: format!("duplicate member name {name:?}"),
-                    offset: name_at,
-                });
-            }
-            self.skip_whitespace();
-            self.expect(b':')?;
-            self.skip_whitespace();
-            // Serialise the member's value into a buffer of its own, to sort later.
-            let outer = std::mem::take(&mut self.out);
-            let result = self.value(depth + 1);
-            let value = std::mem::replace(&mut self.out, outer);
-            result?;
-            members.push((utf16, name, value));
-            self.skip_whitespace();
-            match self.peek() {
-                Some(b',') => self.pos += 1,
-                Some(b'}') => {
-                    self.pos += 1;
-                    break;
+        } else {
+            loop {
+                self.skip_whitespace();
+                if self.peek() != Some(b'"') {
+                    return Err(self.error("expected a member name"));
                 }
-                _ => return Err(self.error("expected ',' or '}'")),
+                let at = self.pos as u32;
+                let name = self.string()?;
+                self.skip_whitespace();
+                self.expect(b':')?;
+                self.skip_whitespace();
+                let value = self.value(depth + 1)?;
+                self.open_members.push(Member { name, at, value });
+                self.skip_whitespace();
+                match self.peek() {
+                    Some(b',') => self.pos += 1,
+                    Some(b'}') => {
+                        self.pos += 1;
+                        break;
+                    }
+                    _ => return Err(self.error("expected ',' or '}'")),
+                }
             }
         }
-        members.sort_by(|a, b| a.0.cmp(&b.0));
-        self.out.push(b'{');
-        for (i, (_, name, value)) in members.iter().enumerate() {
-            if i > 0 {
-                self.out.push(b',');
-            }
-            write_string(&mut self.out, name);
-            self.out.push(b':');
-            self.out.extend_from_slice(value);
+        let start = self.doc.members.len() as u32;
+        self.doc.members.extend(self.open_members.drain(open..));
+        let members = &mut self.doc.members[start as usize..];
+        let strings = &self.doc.strings;
+        let name = |m: &Member| &strings[m.name.0 as usize..m.name.1 as usize];
+        // Stable, so members with one name stay in document order: the first repeat of
+        // a name is the one reported, as a reader going left to right would find it.
+        members.sort_by(|a, b| utf16_cmp(name(a), name(b)));
+        if let Some(repeat) = members
+            .windows(2)
+            .filter(|pair| name(&pair[0]) == name(&pair[1]))
+            .map(|pair| pair[1])
+            .min_by_key(|m| m.at)
+        {
+            return Err(JsonError {
+                message: format!("duplicate member name {:?}", name(&repeat)),
+                offset: repeat.at as usize,
+            });
         }
-        self.out.push(b'}');
-        Ok(())
+        let end = self.doc.members.len() as u32;
+        Ok(self.doc.push(Node::Object(start, end)))
     }
 
-    fn array(&mut self, depth: usize) -> Result<(), JsonError> {
+    fn array(&mut self, depth: usize) -> Result<u32, JsonError> {
         self.expect(b'[')?;
-        self.out.push(b'[');
+        let open = self.open_kids.len();
         self.skip_whitespace();
         if self.peek() == Some(b']') {
             self.pos += 1;
-            self.out.push(b']');
-            return Ok(());
-        }
-        loop {
-            self.skip_whitespace();
-            self.value(depth + 1)?;
-            self.skip_whitespace();
-            match self.peek() {
-                Some(b',') => {
-                    self.pos += 1;
-                    self.out.push(b',');
+        } else {
+            loop {
+                self.skip_whitespace();
+                let kid = self.value(depth + 1)?;
+                self.open_kids.push(kid);
+                self.skip_whitespace();
+                match self.peek() {
+                    Some(b',') => self.pos += 1,
+                    Some(b']') => {
+                        self.pos += 1;
+                        break;
+                    }
+                    _ => return Err(self.error("expected ',' or ']'")),
                 }
-                Some(b']') => {
-                    self.pos += 1;
-                    self.out.push(b']');
-                    return Ok(());
-                }
-                _ => return Err(self.error("expected ',' or ']'")),
             }
         }
+        let start = self.doc.kids.len() as u32;
+        self.doc.kids.extend(self.open_kids.drain(open..));
+        let end = self.doc.kids.len() as u32;
+        Ok(self.doc.push(Node::Array(start, end)))
     }
 
-    /// Reads a string token and returns its decoded content.
-    fn string(&mut self) -> Result<String, JsonError> {
+    /// Reads a string token, decodes it onto `doc.strings` and returns its range there.
+    fn string(&mut self) -> Result<(u32, u32), JsonError> {
         self.expect(b'"')?;
-        let mut s = String::new();
+        let start = self.doc.strings.len() as u32;
         loop {
-            let start = self.pos;
+            let run = self.pos;
             // Copy the longest run of plain characters at once.
             while let Some(b) = self.peek() {
                 if b == b'"' || b == b'\\' || b < 0x20 {
@@ -207,22 +316,17 @@ impl Parser<'_> {
                 }
                 self.pos += 1;
             }
-            if self.pos > start {
-                let run =
-                    std::str::from_utf8(&self.input[start..self.pos]).map_err(|e| JsonError {
-                        message: "invalid UTF-8 in a string".into(),
-                        offset: start + e.valid_up_to(),
-                    })?;
-                s.push_str(run);
-            }
+            // Both ends are at ASCII bytes (or the input's end): char boundaries.
+            self.doc.strings.push_str(&self.text[run..self.pos]);
             match self.peek() {
                 Some(b'"') => {
                     self.pos += 1;
-                    return Ok(s);
+                    return Ok((start, self.doc.strings.len() as u32));
                 }
                 Some(b'\\') => {
                     self.pos += 1;
-                    self.escape(&mut s)?;
+                    let c = self.escape()?;
+                    self.doc.strings.push(c);
                 }
                 Some(_) => return Err(self.error("unescaped control character in a string")),
                 None => return Err(self.error("unterminated string")),
@@ -230,7 +334,7 @@ impl Parser<'_> {
         }
     }
 
-    fn escape(&mut self, s: &mut String) -> Result<(), JsonError> {
+    fn escape(&mut self) -> Result<char, JsonError> {
         let c = match self.peek() {
             Some(b'"') => '"',
             Some(b'\\') => '\\',
@@ -248,9 +352,9 @@ impl Parser<'_> {
                     message: "lone UTF-16 surrogate in a string".into(),
                     offset: at,
                 };
-                let c = match unit {
+                return match unit {
                     0xD800..=0xDBFF => {
-                        if !self.input[self.pos..].starts_with(b"\\u") {
+                        if !self.bytes[self.pos..].starts_with(b"\\u") {
                             return Err(lone());
                         }
                         self.pos += 2;
@@ -259,24 +363,21 @@ impl Parser<'_> {
                             return Err(lone());
                         }
                         let code = 0x10000 + ((unit - 0xD800) << 10) + (low - 0xDC00);
-                        char::from_u32(code).ok_or_else(lone)?
+                        char::from_u32(code).ok_or_else(lone)
                     }
-                    0xDC00..=0xDFFF => return Err(lone()),
-                    _ => char::from_u32(unit).ok_or_else(lone)?,
+                    0xDC00..=0xDFFF => Err(lone()),
+                    _ => char::from_u32(unit).ok_or_else(lone),
                 };
-                s.push(c);
-                return Ok(());
             }
             _ => return Err(self.error("invalid escape in a string")),
         };
         self.pos += 1;
-        s.push(c);
-        Ok(())
+        Ok(c)
     }
 
     fn hex4(&mut self) -> Result<u32, JsonError> {
         let digits = self
-            .input
+            .bytes
             .get(self.pos..self.pos + 4)
             .ok_or_else(|| self.error("truncated \\u escape"))?;
         let mut value = 0u32;
@@ -290,9 +391,8 @@ impl Parser<'_> {
         Ok(value)
     }
 
-    /// Validates a number token against RFC 8259's grammar and copies it as written.
+    /// Validates a number token against RFC 8259's grammar (it is kept as written).
     fn number(&mut self) -> Result<(), JsonError> {
-        let start = self.pos;
         if self.peek() == Some(b'-') {
             self.pos += 1;
         }
@@ -318,7 +418,6 @@ impl Parser<'_> {
             }
             self.digits();
         }
-        self.out.extend_from_slice(&self.input[start..self.pos]);
         Ok(())
     }
 
@@ -329,27 +428,71 @@ impl Parser<'_> {
     }
 }
 
+/// Orders two strings by their UTF-16 code units (RFC 8785 §3.2.3) without transcoding.
+///
+/// UTF-8 bytes sort like code points, and UTF-16 units sort like code points too, except
+/// that a character above U+FFFF (a surrogate pair, 0xD800..) sorts before U+E000..U+FFFF.
+/// So the strings' common byte prefix decides nothing, and the first characters that
+/// differ decide everything: compared by their first UTF-16 unit, then by code point.
+fn utf16_cmp(a: &str, b: &str) -> Ordering {
+    let common = a.bytes().zip(b.bytes()).take_while(|(x, y)| x == y).count();
+    if common == a.len() || common == b.len() {
+        return a.len().cmp(&b.len());
+    }
+    // The prefix is shared, so both strings have their character boundaries in the
+    // same places up to it.
+    let mut at = common;
+    while !a.is_char_boundary(at) {
+        at -= 1;
+    }
+    let first = |s: &str| s[at..].chars().next().map_or(0, u32::from);
+    let (ca, cb) = (first(a), first(b));
+    let unit = |c: u32| {
+        if c >= 0x10000 {
+            0xD800 + ((c - 0x10000) >> 10)
+        } else {
+            c
+        }
+    };
+    (unit(ca), ca).cmp(&(unit(cb), cb))
+}
+
 /// Writes `s` as a JSON string with the minimal escapes of RFC 8785 §3.2.2.2.
 fn write_string(out: &mut Vec<u8>, s: &str) {
     out.push(b'"');
-    for c in s.chars() {
-        match c {
-            '"' => out.extend_from_slice(b"\\\""),
-            '\\' => out.extend_from_slice(b"\\\\"),
-            '\u{8}' => out.extend_from_slice(b"\\b"),
-            '\u{c}' => out.extend_from_slice(b"\\f"),
-            '\n' => out.extend_from_slice(b"\\n"),
-            '\r' => out.extend_from_slice(b"\\r"),
-            '\t' => out.extend_from_slice(b"\\t"),
-            c if (c as u32) < 0x20 => {
-                out.extend_from_slice(format!("\\u{:04x}", c as u32).as_bytes());
+    let bytes = s.as_bytes();
+    let mut run = 0;
+    for (i, &b) in bytes.iter().enumerate() {
+        let escaped: &[u8] = match b {
+            b'"' => b"\\\"",
+            b'\\' => b"\\\\",
+            0x08 => b"\\b",
+            0x0c => b"\\f",
+            b'\n' => b"\\n",
+            b'\r' => b"\\r",
+            b'\t' => b"\\t",
+            0x00..=0x1f => {
+                out.extend_from_slice(&bytes[run..i]);
+                run = i + 1;
+                const HEX: &[u8; 16] = b"0123456789abcdef";
+                out.extend_from_slice(&[
+                    b'\\',
+                    b'u',
+                    b'0',
+                    b'0',
+                    HEX[usize::from(b >> 4)],
+                    HEX[usize::from(b & 0xf)],
+                ]);
+                continue;
             }
-            c => {
-                let mut buf = [0u8; 4];
-                out.extend_from_slice(c.encode_utf8(&mut buf).as_bytes());
-            }
-        }
+            // Everything else, multi-byte UTF-8 included, is copied as it is.
+            _ => continue,
+        };
+        out.extend_from_slice(&bytes[run..i]);
+        out.extend_from_slice(escaped);
+        run = i + 1;
     }
+    out.extend_from_slice(&bytes[run..]);
     out.push(b'"');
 }
 
@@ -390,6 +533,40 @@ mod tests {
     }
 
     #[test]
+    fn utf16_order_agrees_with_transcoding() {
+        let names = [
+            "",
+            "a",
+            "ab",
+            "b",
+            "\u{7f}",
+            "\u{80}",
+            "\u{7ff}",
+            "\u{800}",
+            "\u{d7ff}",
+            "\u{e000}",
+            "\u{fb33}",
+            "\u{ffff}",
+            "\u{10000}",
+            "\u{1f600}",
+            "\u{10ffff}",
+            "a\u{e000}",
+            "a\u{10000}",
+            "a\u{1f600}b",
+            "a\u{1f601}",
+        ];
+        for a in names {
+            for b in names {
+                assert_eq!(
+                    utf16_cmp(a, b),
+                    a.encode_utf16().cmp(b.encode_utf16()),
+                    "{a:?} vs {b:?}"
+                );
+            }
+        }
+    }
+
+    #[test]
     fn unicode_escapes_and_raw_characters_are_the_same_string() {
         assert_eq!(canon(r#""caf\u00e9""#), canon("\"caf\u{e9}\""));
         assert_eq!(canon(r#""\ud83d\ude00""#), "\"\u{1f600}\"");
@@ -400,6 +577,7 @@ mod tests {
             "\"\\b\\f\\n\\r\\t\\u001f\u{7f}\""
         );
         assert_eq!(canon(r#""\"\\""#), r#""\"\\""#);
+        assert_eq!(canon(r#""a\u0000b""#), r#""a\u0000b""#);
     }
 
     #[test]
@@ -431,6 +609,12 @@ mod tests {
         assert!(e.message.contains("duplicate"), "{e}");
         assert_eq!(e.offset, 7);
         refused(br#"{"a":1,"\u0061":2}"#);
+        // The first repeat in document order is the one reported.
+        let e = refused(br#"{"b":1,"a":2,"a":3,"b":4}"#);
+        assert_eq!(
+            (e.message.as_str(), e.offset),
+            ("duplicate member name \"a\"", 13)
+        );
         // Duplicates are checked per object, not across objects.
         assert_eq!(canon(r#"[{"a":1},{"a":2}]"#), r#"[{"a":1},{"a":2}]"#);
     }
@@ -466,6 +650,7 @@ mod tests {
             b"{} {}",
             b"\xef\xbb\xbf{}",
             b"\"\xff\"",
+            b"[1]\xff",
         ] {
             refused(bad);
         }
@@ -477,6 +662,10 @@ mod tests {
         refused(deep.as_bytes());
         let ok = format!("{}{}", "[".repeat(MAX_DEPTH), "]".repeat(MAX_DEPTH));
         assert_eq!(canon(&ok), ok);
+        let objects = format!("{}1{}", "{\"a\":".repeat(MAX_DEPTH), "}".repeat(MAX_DEPTH));
+        assert_eq!(canon(&objects), objects);
+        let too_deep = format!("[{objects}]");
+        refused(too_deep.as_bytes());
     }
 
     #[test]
