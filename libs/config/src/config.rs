@@ -10,6 +10,10 @@
 //! | `server.max_body_bytes` | `1048576` | larger request bodies get 413 |
 //! | `server.shutdown_grace` | `10s` | how long in-flight requests may finish after SIGTERM |
 //! | `server.worker_threads` | one per CPU | threads serving requests |
+//! | `server.max_header_bytes` / `server.max_headers` | `16384` / `100` | request head size and field count (431) |
+//! | `server.header_read_timeout` | `10s` | a request head must arrive within this (slowloris) |
+//! | `server.body_read_timeout` | `30s` | a request body must arrive within this (408) |
+//! | `server.max_concurrent_requests` | `1024` | requests in flight; beyond, 503 `overloaded` |
 //! | `postgres.url` | (required) | the ledger's database |
 //! | `postgres.max_connections` | `16` | pool size |
 //! | `postgres.acquire_timeout` | `2s` | wait for a pooled connection |
@@ -19,6 +23,7 @@
 //! | `redis.timeout` | `100ms` | per Redis call; past it the breaker opens |
 //! | `redis.probe_interval` | `1s` | how often an open breaker probes Redis |
 //! | `redis.local_cache_entries` | `10000` | completed responses also kept in-process (0: none) |
+//! | `redis.local_cache_bytes` | `67108864` | the bytes those copies may hold (LRU) |
 //! | `auth.*` | | see `idem_auth::AuthConfig` |
 //! | `idempotency.ttl` | `24h` | how long a completed key is replayed |
 //! | `idempotency.lease` | `30s` | protection of an in-progress claim |
@@ -85,16 +90,31 @@ struct RawConfig {
     routes: Vec<RawRoute>,
 }
 
-/// `[server]`.
+/// `[server]`: the listener and the limits every client is held to (DESIGN §11).
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct ServerConfig {
     pub listen: SocketAddr,
+    /// Larger request bodies get 413.
     pub max_body_bytes: usize,
     #[serde(with = "humantime_serde")]
     pub shutdown_grace: Duration,
     /// Runtime worker threads; `None`: one per CPU the process may use.
     pub worker_threads: Option<usize>,
+    /// A request head (request line and headers) larger than this gets 431.
+    pub max_header_bytes: usize,
+    /// A request with more header fields than this gets 431.
+    pub max_headers: usize,
+    /// A connection whose request head is not complete this long after the server
+    /// started reading it (or, between requests, after it went idle) is closed.
+    #[serde(with = "humantime_serde")]
+    pub header_read_timeout: Duration,
+    /// A request body not complete this long after its head gets 408.
+    #[serde(with = "humantime_serde")]
+    pub body_read_timeout: Duration,
+    /// Requests in flight beyond this get 503 `overloaded` at once (health and metrics
+    /// endpoints are not counted and always answer).
+    pub max_concurrent_requests: usize,
 }
 
 impl Default for ServerConfig {
@@ -104,6 +124,11 @@ impl Default for ServerConfig {
             max_body_bytes: 1024 * 1024,
             shutdown_grace: Duration::from_secs(10),
             worker_threads: None,
+            max_header_bytes: 16 * 1024,
+            max_headers: 100,
+            header_read_timeout: Duration::from_secs(10),
+            body_read_timeout: Duration::from_secs(30),
+            max_concurrent_requests: 1024,
         }
     }
 }
@@ -193,10 +218,16 @@ pub struct RedisConfig {
     /// no round trip at all. Each copy expires with its ledger row.
     #[serde(default = "default_local_cache_entries")]
     pub local_cache_entries: usize,
+    /// The bytes those in-process copies may hold in all (least recently used go first).
+    #[serde(default = "default_local_cache_bytes")]
+    pub local_cache_bytes: usize,
 }
 
 fn default_local_cache_entries() -> usize {
     10_000
+}
+fn default_local_cache_bytes() -> usize {
+    64 * 1024 * 1024
 }
 
 fn default_redis_prefix() -> String {
@@ -246,6 +277,12 @@ impl RedisConfig {
             return Err(ConfigError::new(
                 "redis.probe_interval",
                 "must be greater than 0",
+            ));
+        }
+        if self.local_cache_entries > 0 && self.local_cache_bytes == 0 {
+            return Err(ConfigError::new(
+                "redis.local_cache_bytes",
+                "must be greater than 0 (set local_cache_entries = 0 to keep no copies)",
             ));
         }
         Ok(())
@@ -310,10 +347,18 @@ pub struct RawRoute {
     probe: Option<String>,
     /// `"hold"` or `"release-after:10m"`: what the reconciler does without a probe.
     on_unknown: Option<String>,
+    /// Upstream response bodies up to this size are stored (and replayed); larger ones
+    /// reach their first client whole, are recorded without their body, and retries
+    /// get 410.
+    #[serde(default = "default_max_response_bytes")]
+    max_response_bytes: usize,
 }
 
 fn default_timeout() -> Duration {
     Duration::from_secs(10)
+}
+fn default_max_response_bytes() -> usize {
+    10 * 1024 * 1024
 }
 fn yes() -> bool {
     true
@@ -407,8 +452,34 @@ fn key_path(segments: &[String]) -> String {
 
 impl RawConfig {
     fn validate(self) -> Result<Config, ConfigErrors> {
-        if self.server.max_body_bytes == 0 {
-            return Err(ConfigError::new("server.max_body_bytes", "must be greater than 0").into());
+        let server = &self.server;
+        for (key, zero) in [
+            ("server.max_body_bytes", server.max_body_bytes == 0),
+            ("server.max_header_bytes", server.max_header_bytes == 0),
+            ("server.max_headers", server.max_headers == 0),
+            (
+                "server.header_read_timeout",
+                server.header_read_timeout.is_zero(),
+            ),
+            (
+                "server.body_read_timeout",
+                server.body_read_timeout.is_zero(),
+            ),
+            (
+                "server.max_concurrent_requests",
+                server.max_concurrent_requests == 0,
+            ),
+        ] {
+            if zero {
+                return Err(ConfigError::new(key, "must be greater than 0").into());
+            }
+        }
+        if server.max_header_bytes < 1024 {
+            return Err(ConfigError::new(
+                "server.max_header_bytes",
+                "must be at least 1024 (a request line and a bearer token need room)",
+            )
+            .into());
         }
         if self.server.worker_threads == Some(0) {
             return Err(ConfigError::new("server.worker_threads", "must be greater than 0").into());
@@ -533,6 +604,12 @@ impl RawRoute {
                 "must be greater than 0",
             ));
         }
+        if self.max_response_bytes == 0 {
+            return Err(ConfigError::new(
+                format!("{at}.max_response_bytes"),
+                "must be greater than 0",
+            ));
+        }
         let on_in_progress = match &self.on_in_progress {
             Some(s) => s
                 .parse::<OnInProgress>()
@@ -602,6 +679,7 @@ impl RawRoute {
             idempotent: self.idempotent,
             key_required: self.key_required,
             timeout: self.timeout,
+            max_response_bytes: self.max_response_bytes,
             policy,
             probe,
             on_unknown,

@@ -18,6 +18,8 @@ pub struct Route {
     pub idempotent: bool,
     pub key_required: bool,
     pub timeout: Duration,
+    /// Response bodies up to this size are stored; larger ones are recorded without it.
+    pub max_response_bytes: usize,
     pub policy: Policy,
     pub probe: Option<Probe>,
     pub on_unknown: OnUnknown,
@@ -97,7 +99,7 @@ impl PathTemplate {
         for segment in &self.segments {
             match (segment, parts.next()) {
                 (Segment::Literal(lit), Some(part)) if lit == part => {}
-                (Segment::Param, Some(part)) if !part.is_empty() => {}
+                (Segment::Param, Some(part)) if param_value(part) => {}
                 _ => return false,
             }
         }
@@ -108,6 +110,21 @@ impl PathTemplate {
     pub fn same_shape(&self, other: &Self) -> bool {
         self.segments == other.segments
     }
+}
+
+/// Whether a concrete path segment may fill a `{param}`: not empty, not a dot segment
+/// (`.`, `..`, also percent-encoded), and no encoded `/` or `\` (nor a raw `\`). An
+/// upstream that decodes or normalises the path would otherwise see another path than
+/// the one matched (`/orders/..%2Fadmin/refunds`).
+fn param_value(part: &str) -> bool {
+    let lower = part.to_ascii_lowercase();
+    let dots = lower.replace("%2e", ".");
+    !part.is_empty()
+        && dots != "."
+        && dots != ".."
+        && !lower.contains("%2f")
+        && !lower.contains("%5c")
+        && !part.contains('\\')
 }
 
 fn parse_segment(segment: &str) -> Result<Segment, String> {
@@ -203,6 +220,31 @@ mod tests {
         assert!(!refunds.matches("/orders//refunds"));
         assert!(!refunds.matches("/orders/1/2/refunds"));
         assert!(!refunds.matches("/orders/42/refunds/x"));
+    }
+
+    #[test]
+    fn params_never_match_dot_segments_or_encoded_separators() {
+        let refunds = t("/orders/{id}/refunds");
+        for bad in [
+            "/orders/./refunds",
+            "/orders/../refunds",
+            "/orders/%2e%2E/refunds",
+            "/orders/%2E/refunds",
+            "/orders/a%2Fb/refunds",
+            "/orders/a%2fb/refunds",
+            "/orders/a%5Cb/refunds",
+            "/orders/a%5cb/refunds",
+            "/orders/a\\b/refunds",
+        ] {
+            assert!(!refunds.matches(bad), "{bad}");
+        }
+        for good in [
+            "/orders/.x/refunds",
+            "/orders/a..b/refunds",
+            "/orders/a%20b/refunds",
+        ] {
+            assert!(refunds.matches(good), "{good}");
+        }
     }
 
     #[test]

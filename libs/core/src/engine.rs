@@ -79,13 +79,19 @@ pub enum Outcome<R> {
         trace_context: Option<String>,
         waited: bool,
     },
-    /// The key was used before with a different request.
-    Mismatch { trace_context: Option<String> },
-    /// Another attempt is running (or its outcome is unknown).
+    /// The key was used before with a different request, whose operation is completed
+    /// (or, if not `completed`, still in progress).
+    Mismatch {
+        trace_context: Option<String>,
+        completed: bool,
+    },
+    /// Another attempt is running, or (`outcome_unknown`) its lease ran out without a
+    /// result and the reconciler has yet to settle it.
     InProgress {
         retry_after: Duration,
         trace_context: Option<String>,
         waited: bool,
+        outcome_unknown: bool,
     },
     /// The upstream could not be reached; nothing ran and the key is free.
     UpstreamUnavailable,
@@ -133,6 +139,7 @@ fn cached<R>(entry: CacheEntry, fingerprint: &Fingerprint) -> Outcome<R> {
     } else {
         Outcome::Mismatch {
             trace_context: entry.trace_context,
+            completed: true,
         }
     }
 }
@@ -196,6 +203,7 @@ impl<L: Ledger, C: Cache> Engine<L, C> {
                     retry_after: RETRY_SOON,
                     trace_context: None,
                     waited: false,
+                    outcome_unknown: false,
                 });
             }
             CacheProbe::Acquired => locked = true,
@@ -251,6 +259,7 @@ impl<L: Ledger, C: Cache> Engine<L, C> {
             retry_after: RETRY_SOON,
             trace_context: None,
             waited,
+            outcome_unknown: false,
         })
     }
 
@@ -259,6 +268,7 @@ impl<L: Ledger, C: Cache> Engine<L, C> {
         let read_at = Instant::now();
         if record.fingerprint != *req.fingerprint {
             return Settled::Done(Outcome::Mismatch {
+                completed: matches!(record.state, RecordState::Completed(_)),
                 trace_context: record.trace_context,
             });
         }
@@ -412,5 +422,6 @@ fn in_progress<R>(record: &Record, waited: bool) -> Outcome<R> {
         },
         trace_context: record.trace_context.clone(),
         waited,
+        outcome_unknown: lease_expired,
     }
 }

@@ -4,39 +4,97 @@
 //! exact as long as it never outlives the ledger row: every entry carries the
 //! row-bounded TTL it was stored with (from the ledger, or Redis's `PTTL`). Only
 //! completed responses live here; locks and wake-ups always go to the inner cache.
-//! When full, the oldest entries are dropped first.
+//!
+//! It is bounded twice, by entries and by bytes (an honest count of what each entry
+//! holds: body, headers, scope and trace context, plus bookkeeping). When either bound is
+//! passed, the least recently used entries go first; a hit moves an entry to the back of
+//! the eviction order, so hot keys stay. An entry bigger than the whole budget is never
+//! held. Time is `tokio::time`, so tests can pause and advance it.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{BTreeMap, HashMap};
 use std::sync::Mutex;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use bytes::Bytes;
+use tokio::time::Instant;
 
 use crate::ports::{Cache, CacheEntry, CacheProbe};
 use crate::record::AttemptId;
 use crate::scope::Scope;
 
+/// What one entry costs beyond its variable-length parts: the map slot, the order
+/// entry, the scope's and the entry's own struct sizes (an estimate on the safe side).
+const ENTRY_OVERHEAD: usize = 256;
+/// Per stored header: its two vectors' headers and allocation slack.
+const HEADER_OVERHEAD: usize = 48;
+
+/// The bounds of a [`Local`] cache.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Bounds {
+    pub entries: usize,
+    pub bytes: usize,
+}
+
 /// The in-process layer over `inner`.
 #[derive(Debug)]
 pub struct Local<C> {
     inner: C,
-    capacity: usize,
+    bounds: Bounds,
     state: Mutex<State>,
 }
 
 #[derive(Debug, Default)]
 struct State {
-    entries: HashMap<Scope, (CacheEntry, Instant)>,
-    /// Insertion order, for dropping the oldest when full.
-    order: VecDeque<Scope>,
+    entries: HashMap<Scope, Slot>,
+    /// Use order, least recent first: `tick` → scope. Exactly one item per entry.
+    order: BTreeMap<u64, Scope>,
+    next_tick: u64,
+    bytes: usize,
+}
+
+#[derive(Debug)]
+struct Slot {
+    entry: CacheEntry,
+    until: Instant,
+    size: usize,
+    tick: u64,
+}
+
+impl State {
+    fn remove(&mut self, scope: &Scope) {
+        if let Some(slot) = self.entries.remove(scope) {
+            self.order.remove(&slot.tick);
+            self.bytes -= slot.size;
+        }
+    }
+
+    fn tick(&mut self) -> u64 {
+        self.next_tick += 1;
+        self.next_tick
+    }
+}
+
+/// The bytes one entry holds in this cache.
+pub fn entry_size(scope: &Scope, entry: &CacheEntry) -> usize {
+    let headers: usize = entry
+        .response
+        .headers
+        .iter()
+        .map(|(n, v)| n.len() + v.len() + HEADER_OVERHEAD)
+        .sum();
+    ENTRY_OVERHEAD
+        + entry.response.body.len()
+        + headers
+        + entry.trace_context.as_ref().map_or(0, String::len)
+        // The scope is held twice: as the map's key and in the eviction order.
+        + 2 * (scope.tenant.len() + scope.endpoint.len() + scope.key.as_str().len())
 }
 
 impl<C> Local<C> {
-    /// Holds at most `capacity` responses.
-    pub fn new(inner: C, capacity: usize) -> Self {
+    pub fn new(inner: C, bounds: Bounds) -> Self {
         Self {
             inner,
-            capacity,
+            bounds,
             state: Mutex::default(),
         }
     }
@@ -47,18 +105,26 @@ impl<C> Local<C> {
 
     fn get(&self, scope: &Scope) -> Option<CacheEntry> {
         let mut state = self.state.lock().expect("local cache lock");
-        match state.entries.get(scope) {
-            Some((entry, until)) if *until > Instant::now() => Some(entry.clone()),
-            Some(_) => {
-                state.entries.remove(scope);
-                None
-            }
-            None => None,
+        let (until, old_tick) = state.entries.get(scope).map(|s| (s.until, s.tick))?;
+        if until <= Instant::now() {
+            state.remove(scope);
+            return None;
         }
+        // A hit moves the entry to the back of the eviction order.
+        let tick = state.tick();
+        let key = state
+            .order
+            .remove(&old_tick)
+            .expect("every entry is ordered");
+        state.order.insert(tick, key);
+        let slot = state.entries.get_mut(scope).expect("looked up above");
+        slot.tick = tick;
+        Some(slot.entry.clone())
     }
 
     fn put(&self, scope: &Scope, entry: &CacheEntry, ttl: Duration) {
-        if self.capacity == 0 || ttl.is_zero() {
+        let size = entry_size(scope, entry);
+        if self.bounds.entries == 0 || ttl.is_zero() || size > self.bounds.bytes {
             return;
         }
         let until = Instant::now() + ttl;
@@ -67,25 +133,28 @@ impl<C> Local<C> {
         let mut entry = entry.clone();
         entry.response.body = Bytes::copy_from_slice(&entry.response.body);
         let mut state = self.state.lock().expect("local cache lock");
-        if state
-            .entries
-            .insert(scope.clone(), (entry, until))
-            .is_none()
-        {
-            state.order.push_back(scope.clone());
-        }
-        while state.entries.len() > self.capacity {
-            match state.order.pop_front() {
-                Some(oldest) => {
-                    state.entries.remove(&oldest);
-                }
-                None => break,
-            }
-        }
-        // Keep the order queue from growing with keys that were already evicted.
-        if state.order.len() > self.capacity * 2 {
-            let State { entries, order } = &mut *state;
-            order.retain(|s| entries.contains_key(s));
+        state.remove(scope);
+        let tick = state.tick();
+        state.order.insert(tick, scope.clone());
+        state.entries.insert(
+            scope.clone(),
+            Slot {
+                entry,
+                until,
+                size,
+                tick,
+            },
+        );
+        state.bytes += size;
+        while state.entries.len() > self.bounds.entries || state.bytes > self.bounds.bytes {
+            let Some((_, oldest)) = state.order.pop_first() else {
+                break;
+            };
+            let slot = state
+                .entries
+                .remove(&oldest)
+                .expect("ordered entries exist");
+            state.bytes -= slot.size;
         }
     }
 
@@ -95,6 +164,11 @@ impl<C> Local<C> {
 
     pub fn is_empty(&self) -> bool {
         self.len() == 0
+    }
+
+    /// The bytes the entries hold now (as [`entry_size`] counts them).
+    pub fn bytes(&self) -> usize {
+        self.state.lock().expect("local cache lock").bytes
     }
 }
 
@@ -151,23 +225,25 @@ mod tests {
         )
     }
 
-    fn entry() -> CacheEntry {
+    fn entry(body: usize) -> CacheEntry {
         CacheEntry {
             fingerprint: Fingerprint::from_bytes([1; 32]),
-            response: StoredResponse {
-                status: 201,
-                headers: Vec::new(),
-                body: Bytes::from_static(b"{}"),
-            },
+            response: StoredResponse::new(201, Vec::new(), Bytes::from(vec![b'x'; body])),
             trace_context: None,
         }
     }
 
-    #[tokio::test]
+    fn local(entries: usize, bytes: usize) -> Local<NoCache> {
+        Local::new(NoCache, Bounds { entries, bytes })
+    }
+
+    const HOUR: Duration = Duration::from_secs(3600);
+
+    #[tokio::test(start_paused = true)]
     async fn serves_what_it_was_given_until_it_expires() {
-        let local = Local::new(NoCache, 10);
+        let local = local(10, 1 << 20);
         local
-            .fill(&scope("a"), &entry(), Duration::from_millis(50))
+            .fill(&scope("a"), &entry(2), Duration::from_millis(50))
             .await;
         assert!(matches!(
             local
@@ -181,34 +257,57 @@ mod tests {
                 .await,
             CacheProbe::Unavailable
         ));
-        tokio::time::sleep(Duration::from_millis(60)).await;
+        tokio::time::advance(Duration::from_millis(50)).await;
         assert!(matches!(
             local
                 .probe(&scope("a"), AttemptId::random(), Duration::ZERO)
                 .await,
             CacheProbe::Unavailable
         ));
+        assert_eq!((local.len(), local.bytes()), (0, 0), "expired entries go");
     }
 
     #[tokio::test]
-    async fn stays_within_its_capacity_dropping_the_oldest() {
-        let local = Local::new(NoCache, 3);
-        for key in ["a", "b", "c", "d"] {
-            local
-                .fill(&scope(key), &entry(), Duration::from_secs(60))
-                .await;
+    async fn stays_within_its_entries_dropping_the_least_recently_used() {
+        let local = local(3, 1 << 20);
+        for key in ["a", "b", "c"] {
+            local.fill(&scope(key), &entry(2), HOUR).await;
         }
+        assert!(local.get(&scope("a")).is_some(), "a is now the most recent");
+        local.fill(&scope("d"), &entry(2), HOUR).await;
         assert_eq!(local.len(), 3);
-        assert!(local.get(&scope("a")).is_none());
-        assert!(local.get(&scope("d")).is_some());
+        assert!(local.get(&scope("b")).is_none(), "b was the least recent");
+        for key in ["a", "c", "d"] {
+            assert!(local.get(&scope(key)).is_some(), "{key}");
+        }
+    }
+
+    #[tokio::test]
+    async fn stays_within_its_bytes_and_counts_them_honestly() {
+        let one = entry_size(&scope("a"), &entry(10_000));
+        assert!(one > 10_000 && one < 10_600, "{one}");
+        let local = local(1000, 3 * one);
+        for key in ["a", "b", "c", "d", "e"] {
+            local.fill(&scope(key), &entry(10_000), HOUR).await;
+            assert!(local.bytes() <= 3 * one);
+        }
+        assert_eq!((local.len(), local.bytes()), (3, 3 * one));
+        // Refilling one key replaces its entry: no second copy, no stale order item.
+        for _ in 0..10 {
+            local.fill(&scope("e"), &entry(10_000), HOUR).await;
+        }
+        assert_eq!((local.len(), local.bytes()), (3, 3 * one));
+        assert_eq!(local.state.lock().unwrap().order.len(), 3);
+        // An entry bigger than the whole budget is not held (and evicts nothing).
+        local.fill(&scope("huge"), &entry(40_000), HOUR).await;
+        assert!(local.get(&scope("huge")).is_none());
+        assert_eq!(local.len(), 3);
     }
 
     #[tokio::test]
     async fn tenants_never_share_an_entry() {
-        let local = Local::new(NoCache, 10);
-        local
-            .fill(&scope("k"), &entry(), Duration::from_secs(60))
-            .await;
+        let local = local(10, 1 << 20);
+        local.fill(&scope("k"), &entry(2), HOUR).await;
         let other = Scope::new(
             "globex",
             "POST /payments",

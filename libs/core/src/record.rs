@@ -24,6 +24,32 @@ pub struct StoredResponse {
     /// Header names are lowercase; values are raw bytes.
     pub headers: Vec<(String, Vec<u8>)>,
     pub body: Bytes,
+    /// The body was larger than the route's `max_response_bytes` and was not kept
+    /// (`body` is empty): the operation happened once, but it cannot be replayed, so
+    /// retries are told so (410) rather than executed again.
+    pub body_omitted: bool,
+}
+
+impl StoredResponse {
+    /// A response kept whole.
+    pub fn new(status: u16, headers: Vec<(String, Vec<u8>)>, body: Bytes) -> Self {
+        Self {
+            status,
+            headers,
+            body,
+            body_omitted: false,
+        }
+    }
+
+    /// A response recorded without its (oversized) body.
+    pub fn without_body(status: u16, headers: Vec<(String, Vec<u8>)>) -> Self {
+        Self {
+            status,
+            headers,
+            body: Bytes::new(),
+            body_omitted: true,
+        }
+    }
 }
 
 /// Where an operation stands.

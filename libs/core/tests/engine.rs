@@ -115,11 +115,11 @@ fn fp(body: &str) -> Fingerprint {
 }
 
 fn response(status: u16, body: &'static str) -> StoredResponse {
-    StoredResponse {
+    StoredResponse::new(
         status,
-        headers: vec![("content-type".into(), b"application/json".to_vec())],
-        body: Bytes::from_static(body.as_bytes()),
-    }
+        vec![("content-type".into(), b"application/json".to_vec())],
+        Bytes::from_static(body.as_bytes()),
+    )
 }
 
 fn answered(status: u16, body: &'static str) -> Execution<u16> {
@@ -386,9 +386,18 @@ async fn a_wait_that_times_out_reports_in_progress() {
 
 #[tokio::test]
 async fn peek_answers_from_the_in_process_cache_only() {
-    use idem_core::local::Local;
+    use idem_core::local::{Bounds, Local};
     use idem_core::{Cache, CacheEntry, NoCache};
-    let engine = Engine::with_cache(MemLedger::default(), Local::new(NoCache, 10));
+    let engine = Engine::with_cache(
+        MemLedger::default(),
+        Local::new(
+            NoCache,
+            Bounds {
+                entries: 10,
+                bytes: 1 << 20,
+            },
+        ),
+    );
     let (scope, policy) = (scope(), policy());
     let (paid, other) = (fp(r#"{"a":1}"#), fp(r#"{"a":2}"#));
     let req = |fingerprint| Request {

@@ -150,7 +150,7 @@ impl Ledger for PgLedger {
         // whose reply was lost finds its own row again instead of reporting a lost fence.
         const SQL: &str = "UPDATE idempotency_keys SET status = 'completed', \
              response_status = $5, response_headers = $6, response_body = $7, \
-             completed_at = now(), locked_until = NULL, \
+             response_omitted = $9, completed_at = now(), locked_until = NULL, \
              expires_at = now() + $8::float8 * interval '1 millisecond' \
              WHERE tenant_id = $1 AND endpoint = $2 AND key = $3 AND attempt = $4";
         let result = self
@@ -165,6 +165,7 @@ impl Ledger for PgLedger {
                     .bind(headers::encode(&response.headers))
                     .bind(&response.body[..])
                     .bind(millis(ttl))
+                    .bind(response.body_omitted)
                     .execute(&self.pool),
             )
             .await?;
@@ -201,7 +202,8 @@ macro_rules! record_columns {
     () => {
         "k.request_hash, k.status, k.attempt, \
          coalesce(k.locked_until <= now(), false) AS lease_expired, \
-         k.response_status, k.response_headers, k.response_body, k.trace_context, \
+         k.response_status, k.response_headers, k.response_body, k.response_omitted, \
+         k.trace_context, \
          (extract(epoch from (k.expires_at - now())) * 1000)::float8 AS expires_in_ms"
     };
 }
@@ -218,6 +220,7 @@ const CLAIM_SQL: &str = concat!(
           request_hash = EXCLUDED.request_hash, status = 'in_progress', \
           attempt = EXCLUDED.attempt, locked_until = EXCLUDED.locked_until, \
           response_status = NULL, response_headers = NULL, response_body = NULL, \
+          response_omitted = false, \
           trace_context = EXCLUDED.trace_context, created_at = EXCLUDED.created_at, \
           completed_at = NULL, expires_at = EXCLUDED.expires_at \
        WHERE NOT (",
@@ -270,6 +273,7 @@ fn record(row: &PgRow) -> Result<Record, LedgerError> {
                     LedgerError::new(crate::Corrupt("response_headers malformed"))
                 })?,
                 body: Bytes::from(body),
+                body_omitted: row.try_get("response_omitted").map_err(LedgerError::new)?,
             })
         }
         _ => return Err(LedgerError::new(crate::Corrupt("unknown status"))),

@@ -84,7 +84,7 @@ pub async fn complete(
     let result = sqlx::query(
         "UPDATE idempotency_keys SET status = 'completed', attempt = $5,
              response_status = $6, response_headers = $7, response_body = $8,
-             completed_at = now(), locked_until = NULL,
+             response_omitted = $10, completed_at = now(), locked_until = NULL,
              expires_at = now() + $9::float8 * interval '1 millisecond'
          WHERE tenant_id = $1 AND endpoint = $2 AND key = $3 AND attempt = $4 AND status = 'in_progress'",
     )
@@ -97,6 +97,7 @@ pub async fn complete(
     .bind(headers::encode(&response.headers))
     .bind(&response.body[..])
     .bind(ttl.as_secs_f64() * 1000.0)
+    .bind(response.body_omitted)
     .execute(pool)
     .await?;
     Ok(fence(result.rows_affected()))

@@ -19,11 +19,11 @@ fn scope(key: &str) -> Scope {
 }
 
 fn response(body: &'static str) -> StoredResponse {
-    StoredResponse {
-        status: 201,
-        headers: vec![("content-type".into(), b"application/json".to_vec())],
-        body: Bytes::from_static(body.as_bytes()),
-    }
+    StoredResponse::new(
+        201,
+        vec![("content-type".into(), b"application/json".to_vec())],
+        Bytes::from_static(body.as_bytes()),
+    )
 }
 
 async fn ledger(db: &TestDb) -> PgLedger {

@@ -1,42 +1,51 @@
 //! The cached response's binary form:
 //!
 //! ```text
-//! version u8 (1) | fingerprint [32] | status u16 | trace len u16 | trace
-//! | header count u16 | (name len u16 | name | value len u32 | value)* | body
+//! version u8 (2) | flags u8 (bit 0: body omitted) | fingerprint [32] | status u16
+//! | trace len u16 | trace | header count u16
+//! | (name len u16 | name | value len u32 | value)* | body
 //! ```
+//!
+//! Version 1 (the same without the flags byte) is still read. An entry whose parts do
+//! not fit their length fields is not encoded at all (the ledger serves that scope).
 
 use bytes::Bytes;
 use idem_core::{CacheEntry, Fingerprint, StoredResponse};
 
-const VERSION: u8 = 1;
+const VERSION: u8 = 2;
+const FLAG_OMITTED: u8 = 1;
 
-pub fn encode(entry: &CacheEntry) -> Vec<u8> {
+/// The entry's bytes; `None` if a part is too long for its length field.
+pub fn encode(entry: &CacheEntry) -> Option<Vec<u8>> {
     let r = &entry.response;
     let trace = entry.trace_context.as_deref().unwrap_or("").as_bytes();
     let headers: usize = r.headers.iter().map(|(n, v)| 6 + n.len() + v.len()).sum();
-    let mut out = Vec::with_capacity(1 + 32 + 2 + 2 + trace.len() + 2 + headers + r.body.len());
+    let mut out = Vec::with_capacity(2 + 32 + 2 + 2 + trace.len() + 2 + headers + r.body.len());
     out.push(VERSION);
+    out.push(if r.body_omitted { FLAG_OMITTED } else { 0 });
     out.extend_from_slice(entry.fingerprint.as_bytes());
     out.extend_from_slice(&r.status.to_be_bytes());
-    out.extend_from_slice(&(trace.len() as u16).to_be_bytes());
+    out.extend_from_slice(&u16::try_from(trace.len()).ok()?.to_be_bytes());
     out.extend_from_slice(trace);
-    out.extend_from_slice(&(r.headers.len() as u16).to_be_bytes());
+    out.extend_from_slice(&u16::try_from(r.headers.len()).ok()?.to_be_bytes());
     for (name, value) in &r.headers {
-        out.extend_from_slice(&(name.len() as u16).to_be_bytes());
+        out.extend_from_slice(&u16::try_from(name.len()).ok()?.to_be_bytes());
         out.extend_from_slice(name.as_bytes());
-        out.extend_from_slice(&(value.len() as u32).to_be_bytes());
+        out.extend_from_slice(&u32::try_from(value.len()).ok()?.to_be_bytes());
         out.extend_from_slice(value);
     }
     out.extend_from_slice(&r.body);
-    out
+    Some(out)
 }
 
-/// `None` if the bytes are not a cache entry of this version.
+/// `None` if the bytes are not a cache entry of a known version.
 pub fn decode(bytes: &[u8]) -> Option<CacheEntry> {
     let mut r = Reader(bytes);
-    if r.take(1)? != [VERSION] {
-        return None;
-    }
+    let flags = match r.take(1)? {
+        [1] => 0,
+        [VERSION] => r.take(1)?[0],
+        _ => return None,
+    };
     let fingerprint = Fingerprint::from_bytes(r.take(32)?.try_into().ok()?);
     let status = r.u16()?;
     let trace_len = usize::from(r.u16()?);
@@ -55,6 +64,7 @@ pub fn decode(bytes: &[u8]) -> Option<CacheEntry> {
             status,
             headers,
             body: Bytes::copy_from_slice(r.0),
+            body_omitted: flags & FLAG_OMITTED != 0,
         },
         trace_context: (!trace.is_empty()).then(|| trace.to_owned()),
     })
@@ -86,14 +96,14 @@ mod tests {
     fn entry(trace: Option<&str>) -> CacheEntry {
         CacheEntry {
             fingerprint: Fingerprint::from_bytes([7; 32]),
-            response: StoredResponse {
-                status: 201,
-                headers: vec![
+            response: StoredResponse::new(
+                201,
+                vec![
                     ("content-type".into(), b"application/json".to_vec()),
                     ("x-bin".into(), vec![0, 255, 10]),
                 ],
-                body: Bytes::from_static(b"{\"paymentId\":\"p\"}\x00\xff"),
-            },
+                Bytes::from_static(b"{\"paymentId\":\"p\"}\x00\xff"),
+            ),
             trace_context: trace.map(str::to_owned),
         }
     }
@@ -106,17 +116,39 @@ mod tests {
                 "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
             )),
         ] {
-            assert_eq!(decode(&encode(&e)), Some(e));
+            assert_eq!(decode(&encode(&e).unwrap()), Some(e));
         }
+        let mut omitted = entry(None);
+        omitted.response = StoredResponse::without_body(201, Vec::new());
+        assert_eq!(decode(&encode(&omitted).unwrap()), Some(omitted));
+    }
+
+    #[test]
+    fn reads_version_one() {
+        let e = entry(None);
+        let mut v1 = encode(&e).unwrap();
+        v1.remove(1);
+        v1[0] = 1;
+        assert_eq!(decode(&v1), Some(e));
     }
 
     #[test]
     fn refuses_truncated_or_foreign_bytes() {
-        let bytes = encode(&entry(None));
+        let bytes = encode(&entry(None)).unwrap();
         assert!(decode(&bytes[..40]).is_none());
         assert!(decode(b"").is_none());
         let mut other = bytes.clone();
-        other[0] = 2;
+        other[0] = 3;
         assert!(decode(&other).is_none());
+    }
+
+    #[test]
+    fn parts_too_long_for_their_length_field_are_not_encoded() {
+        // A 64 KiB trace context once wrapped its u16 length and corrupted the entry.
+        let long = "0".repeat(70_000);
+        assert!(encode(&entry(Some(&long))).is_none());
+        let mut many = entry(None);
+        many.response.headers = vec![("x".into(), Vec::new()); 70_000];
+        assert!(encode(&many).is_none());
     }
 }

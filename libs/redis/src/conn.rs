@@ -98,6 +98,8 @@ pub struct Stats {
     pub errors: AtomicU64,
     /// Calls skipped because the breaker was open.
     pub skipped: AtomicU64,
+    /// Writes Redis refused because it was out of memory (the breaker stays closed).
+    pub refused: AtomicU64,
 }
 
 /// The breaker: `Some(conn)` while closed, `None` while open.
@@ -168,6 +170,13 @@ impl Breaker {
             .await
         {
             Ok(Ok(value)) => Some(value),
+            // Out of memory under `maxmemory` with `noeviction`: Redis is up and answers,
+            // it only cannot take this write. No reason to stop asking it.
+            Ok(Err(error)) if error.code() == Some("OOM") => {
+                self.stats.refused.fetch_add(1, Ordering::Relaxed);
+                tracing::debug!(%error, operation, "Redis refused a write (out of memory)");
+                None
+            }
             Ok(Err(error)) => {
                 self.trip(&error.to_string());
                 None

@@ -53,6 +53,10 @@ pub struct CacheStats {
     pub misses: u64,
     pub errors: u64,
     pub skipped: u64,
+    /// Writes refused for lack of memory (the breaker stayed closed).
+    pub refused: u64,
+    /// Pub/sub channels subscribed for requests waiting right now.
+    pub watched: usize,
 }
 
 /// The Redis cache. Cheap to clone.
@@ -98,6 +102,8 @@ impl RedisCache {
             misses: s.misses.load(Ordering::Relaxed),
             errors: s.errors.load(Ordering::Relaxed),
             skipped: s.skipped.load(Ordering::Relaxed),
+            refused: s.refused.load(Ordering::Relaxed),
+            watched: self.notifier.watched(),
         }
     }
 }
@@ -167,7 +173,9 @@ impl Cache for RedisCache {
 
     async fn fill(&self, scope: &Scope, entry: &CacheEntry, ttl: Duration) {
         let key = keys::scope_keys(&self.prefix, scope).response;
-        let value = codec::encode(entry);
+        let Some(value) = codec::encode(entry) else {
+            return;
+        };
         self.breaker
             .run("fill", |mut conn| async move {
                 redis::cmd("SET")
@@ -182,8 +190,11 @@ impl Cache for RedisCache {
     }
 
     async fn complete(&self, scope: &Scope, attempt: AttemptId, entry: &CacheEntry, ttl: Duration) {
+        let Some(value) = codec::encode(entry) else {
+            // Not cacheable: the ledger serves its replays; still unlock and announce.
+            return self.unlock(scope, attempt).await;
+        };
         let keys = keys::scope_keys(&self.prefix, scope);
-        let value = codec::encode(entry);
         self.breaker
             .run("complete", |mut conn| async move {
                 scripts::COMPLETE

@@ -17,7 +17,13 @@ enum Command {
     Unsubscribe(String),
 }
 
-type Waiters = Arc<Mutex<HashMap<String, Arc<Notify>>>>;
+/// A channel some requests wait on: its wake-up, and how many wait.
+struct Channel {
+    notify: Arc<Notify>,
+    waiting: usize,
+}
+
+type Waiters = Arc<Mutex<HashMap<String, Channel>>>;
 
 /// Hands out "this channel fired" futures.
 pub struct Notifier {
@@ -35,39 +41,49 @@ impl Notifier {
         Self { commands, waiters }
     }
 
-    /// Resolves when a message arrives on `channel`.
+    /// Resolves when a message arrives on `channel`. However the future ends (fired,
+    /// dropped by a timeout, or with the request it served), its interest ends with it:
+    /// the last waiter of a channel unsubscribes.
     pub async fn fired(&self, channel: String) {
         let notify = {
             let mut waiters = self.waiters.lock().expect("waiters lock");
-            waiters
-                .entry(channel.clone())
-                .or_insert_with(|| {
-                    let _ = self.commands.send(Command::Subscribe(channel.clone()));
-                    Arc::new(Notify::new())
-                })
-                .clone()
+            let entry = waiters.entry(channel.clone()).or_insert_with(|| {
+                let _ = self.commands.send(Command::Subscribe(channel.clone()));
+                Channel {
+                    notify: Arc::new(Notify::new()),
+                    waiting: 0,
+                }
+            });
+            entry.waiting += 1;
+            entry.notify.clone()
         };
         let _guard = Unwatch {
             notifier: self,
             channel,
-            notify: notify.clone(),
         };
         notify.notified().await;
     }
+
+    /// Channels with at least one waiter now.
+    pub fn watched(&self) -> usize {
+        self.waiters.lock().expect("waiters lock").len()
+    }
 }
 
-/// Unsubscribes when the last waiter of a channel goes away.
+/// Counts one waiter out; the last one removes the channel and unsubscribes.
 struct Unwatch<'a> {
     notifier: &'a Notifier,
     channel: String,
-    notify: Arc<Notify>,
 }
 
 impl Drop for Unwatch<'_> {
     fn drop(&mut self) {
         let mut waiters = self.notifier.waiters.lock().expect("waiters lock");
-        // The map holds one reference and this guard another: we are the last waiter.
-        if Arc::strong_count(&self.notify) == 2 {
+        let Some(entry) = waiters.get_mut(&self.channel) else {
+            return;
+        };
+        entry.waiting -= 1;
+        if entry.waiting == 0 {
             waiters.remove(&self.channel);
             let _ = self
                 .notifier
@@ -114,7 +130,7 @@ async fn session(
             },
             message = stream.next() => match message {
                 Some(message) => {
-                    let notify = waiters.lock().expect("waiters lock").get(message.get_channel_name()).cloned();
+                    let notify = waiters.lock().expect("waiters lock").get(message.get_channel_name()).map(|c| c.notify.clone());
                     if let Some(notify) = notify {
                         notify.notify_waiters();
                     }

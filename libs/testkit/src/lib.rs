@@ -201,6 +201,86 @@ impl Demo {
     }
 }
 
+/// An upstream of the test's own, on a real socket: it answers every request with the
+/// status in `x-test-status` (default 201) and a body of `x-test-bytes` bytes (default
+/// a small JSON object), and records what it was sent, so tests can count executions
+/// and read the headers idemgate forwarded.
+pub struct TestUpstream {
+    pub addr: SocketAddr,
+    seen: std::sync::Arc<std::sync::Mutex<Vec<HeaderMap>>>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl TestUpstream {
+    pub async fn start() -> Self {
+        Self::answering(201, None).await
+    }
+
+    /// One whose answers default to `status` and a body of `bytes` bytes (when given),
+    /// for requests that carry no `x-test-*` headers (such as the reconciler's probes).
+    pub async fn answering(status: u16, bytes: Option<usize>) -> Self {
+        use axum::response::IntoResponse;
+        let seen: std::sync::Arc<std::sync::Mutex<Vec<HeaderMap>>> = Default::default();
+        let record = seen.clone();
+        let app = axum::Router::new().fallback(move |headers: HeaderMap| {
+            let record = record.clone();
+            async move {
+                let number = |name: &str| {
+                    headers
+                        .get(name)
+                        .and_then(|v| v.to_str().ok())
+                        .and_then(|v| v.parse::<usize>().ok())
+                };
+                let status =
+                    StatusCode::from_u16(number("x-test-status").unwrap_or(status as usize) as u16)
+                        .expect("a status code");
+                let body = match number("x-test-bytes").or(bytes) {
+                    // A pattern, so a truncated or reordered body is noticed.
+                    Some(n) => Bytes::from((0..n).map(|i| (i % 251) as u8).collect::<Vec<_>>()),
+                    None => Bytes::from_static(br#"{"ok":true}"#),
+                };
+                let delay = number("x-test-delay-ms");
+                record.lock().unwrap().push(headers);
+                if let Some(ms) = delay {
+                    tokio::time::sleep(Duration::from_millis(ms as u64)).await;
+                }
+                (status, body).into_response()
+            }
+        });
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let task = tokio::spawn(async move {
+            axum::serve(listener, app).await.unwrap();
+        });
+        Self { addr, seen, task }
+    }
+
+    pub fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    /// How many requests reached it.
+    pub fn calls(&self) -> usize {
+        self.seen.lock().unwrap().len()
+    }
+
+    /// The headers of every request it received, in order.
+    pub fn seen(&self) -> Vec<HeaderMap> {
+        self.seen.lock().unwrap().clone()
+    }
+
+    /// The body `x-test-bytes: n` makes it send.
+    pub fn body_of(n: usize) -> Bytes {
+        Bytes::from((0..n).map(|i| (i % 251) as u8).collect::<Vec<_>>())
+    }
+}
+
+impl Drop for TestUpstream {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
 /// Reads the child's stdout until the line announcing its address.
 pub async fn read_listen_line(child: &mut Child, prefix: &str) -> SocketAddr {
     let stdout = child.stdout.take().expect("piped stdout");
@@ -222,12 +302,18 @@ pub async fn read_listen_line(child: &mut Child, prefix: &str) -> SocketAddr {
 
 /// A config file's text for tests: server, Postgres at `db`, HS256 auth, then `extra`.
 pub fn config_toml(db: &TestDb, extra: &str) -> String {
+    config_toml_with(db, "max_body_bytes = 4096", extra)
+}
+
+/// [`config_toml`] with `server` as the `[server]` keys beyond the listener (instead
+/// of the 4 KiB body limit).
+pub fn config_toml_with(db: &TestDb, server: &str, extra: &str) -> String {
     format!(
         r#"
         [server]
         listen = "127.0.0.1:0"
-        max_body_bytes = 4096
         shutdown_grace = "5s"
+        {server}
         [postgres]
         url = "{url}"
         max_connections = 8
@@ -282,6 +368,17 @@ pub fn token(tenant: &str) -> String {
         None,
     )
     .expect("mint a token")
+}
+
+/// The value of a Prometheus sample named `name` (with its label set, if it has one,
+/// e.g. `idemgate_cache_up` or `idemgate_requests_total{outcome="executed",…}`).
+pub fn metric(text: &str, name: &str) -> Option<f64> {
+    text.lines()
+        .filter(|line| !line.starts_with('#'))
+        .find_map(|line| {
+            let (sample, value) = line.rsplit_once(' ')?;
+            (sample == name).then(|| value.parse().ok()).flatten()
+        })
 }
 
 /// A response, read in full.

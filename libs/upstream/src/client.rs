@@ -1,14 +1,23 @@
 //! The upstream client: one pooled HTTP/1.1 client, and the classification of what
 //! happened to a forwarded request (answered, provably not sent, or unknown).
+//!
+//! An answer's body is read into memory up to a cap (a route's `max_response_bytes`);
+//! past it, what was read and the rest of the body are handed on as a stream, so one
+//! large answer costs at most the cap in memory, and it still reaches its client whole.
 
+use std::future::Future;
+use std::pin::Pin;
+use std::task::{Context, Poll};
 use std::time::Duration;
 
-use bytes::Bytes;
-use http::{HeaderMap, Request, StatusCode};
+use bytes::{Bytes, BytesMut};
+use http::{HeaderMap, Request, StatusCode, header};
 use http_body_util::{BodyExt, Full};
+use hyper::body::{Body, Frame, Incoming, SizeHint};
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
+use tokio::time::{Instant, Sleep};
 use tracing::Instrument;
 
 pub type HttpClient = Client<HttpConnector, Full<Bytes>>;
@@ -27,12 +36,31 @@ pub fn pooled_client() -> HttpClient {
         .build(connector)
 }
 
-/// An upstream answer, read in full.
+/// An upstream answer.
 #[derive(Debug)]
 pub struct UpstreamResponse {
     pub status: StatusCode,
     pub headers: HeaderMap,
-    pub body: Bytes,
+    pub body: ResponseBody,
+}
+
+/// An answer's body: in memory, or (past the cap) streaming.
+#[derive(Debug)]
+pub enum ResponseBody {
+    /// Read in full, within the cap.
+    Full(Bytes),
+    /// Longer than the cap: what was read so far, then the rest as it arrives.
+    Streaming(Streaming),
+}
+
+impl ResponseBody {
+    /// The body if it was read in full.
+    pub fn full(&self) -> Option<&Bytes> {
+        match self {
+            Self::Full(bytes) => Some(bytes),
+            Self::Streaming(_) => None,
+        }
+    }
 }
 
 /// What a forwarded request did.
@@ -45,12 +73,14 @@ pub enum Forwarded {
     Unknown(String),
 }
 
-/// Sends `request` and reads the whole response, all within `timeout`, in a client
-/// span whose context goes upstream as `traceparent`.
+/// Sends `request` and reads the answer, all within `timeout`, in a client span whose
+/// context goes upstream as `traceparent`. A body longer than `max_body` bytes is
+/// handed on as a stream (each of its later frames due within `timeout` of the last).
 pub async fn forward(
     client: &HttpClient,
     mut request: Request<Full<Bytes>>,
     timeout: Duration,
+    max_body: usize,
 ) -> Forwarded {
     let span = tracing::info_span!(
         "upstream",
@@ -60,7 +90,7 @@ pub async fn forward(
         http.response.status_code = tracing::field::Empty,
     );
     idem_telemetry::propagation::inject(&span, request.headers_mut());
-    let forwarded = exchange(client, request, timeout)
+    let forwarded = exchange(client, request, timeout, max_body)
         .instrument(span.clone())
         .await;
     if let Forwarded::Answered(answer) = &forwarded {
@@ -73,6 +103,7 @@ async fn exchange(
     client: &HttpClient,
     request: Request<Full<Bytes>>,
     timeout: Duration,
+    max_body: usize,
 ) -> Forwarded {
     let exchange = async {
         let response = match client.request(request).await {
@@ -81,11 +112,11 @@ async fn exchange(
             Err(e) => return Forwarded::Unknown(error_chain(&e)),
         };
         let (parts, body) = response.into_parts();
-        match body.collect().await {
+        match read_capped(body, &parts.headers, max_body, timeout).await {
             Ok(body) => Forwarded::Answered(UpstreamResponse {
                 status: parts.status,
                 headers: parts.headers,
-                body: body.to_bytes(),
+                body,
             }),
             Err(e) => Forwarded::Unknown(format!("response body broke off: {}", error_chain(&e))),
         }
@@ -93,6 +124,114 @@ async fn exchange(
     match tokio::time::timeout(timeout, exchange).await {
         Ok(forwarded) => forwarded,
         Err(_) => Forwarded::Unknown(format!("no complete answer within {timeout:?}")),
+    }
+}
+
+/// Reads `body` in full if it fits in `max` bytes, else starts streaming it.
+async fn read_capped(
+    mut body: Incoming,
+    headers: &HeaderMap,
+    max: usize,
+    idle: Duration,
+) -> Result<ResponseBody, hyper::Error> {
+    let declared = headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    if declared.is_some_and(|len| len > max as u64) {
+        return Ok(ResponseBody::Streaming(Streaming::new(None, body, idle)));
+    }
+    let mut read = BytesMut::with_capacity(declared.map_or(0, |len| len as usize));
+    while let Some(frame) = body.frame().await {
+        // Trailers are not kept (nor replayed).
+        let Ok(data) = frame?.into_data() else {
+            continue;
+        };
+        if read.len() + data.len() > max {
+            read.extend_from_slice(&data);
+            let head = read.freeze();
+            return Ok(ResponseBody::Streaming(Streaming::new(
+                Some(head),
+                body,
+                idle,
+            )));
+        }
+        read.extend_from_slice(&data);
+    }
+    Ok(ResponseBody::Full(read.freeze()))
+}
+
+/// The rest of an answer longer than the cap: the part already read, then the
+/// upstream's frames as they come. A stall longer than `idle` ends it with an error
+/// (the client sees the connection close before the body's end).
+pub struct Streaming {
+    head: Option<Bytes>,
+    rest: Incoming,
+    idle: Duration,
+    stall: Pin<Box<Sleep>>,
+}
+
+impl std::fmt::Debug for Streaming {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Streaming")
+            .field("head", &self.head.as_ref().map(Bytes::len))
+            .finish_non_exhaustive()
+    }
+}
+
+impl Streaming {
+    fn new(head: Option<Bytes>, rest: Incoming, idle: Duration) -> Self {
+        Self {
+            head,
+            rest,
+            idle,
+            stall: Box::pin(tokio::time::sleep(idle)),
+        }
+    }
+}
+
+impl Body for Streaming {
+    type Data = Bytes;
+    type Error = Box<dyn std::error::Error + Send + Sync>;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
+        let this = &mut *self;
+        if let Some(head) = this.head.take() {
+            return Poll::Ready(Some(Ok(Frame::data(head))));
+        }
+        match Pin::new(&mut this.rest).poll_frame(cx) {
+            Poll::Ready(frame) => {
+                let deadline = Instant::now() + this.idle;
+                this.stall.as_mut().reset(deadline);
+                Poll::Ready(frame.map(|f| f.map_err(Into::into)))
+            }
+            Poll::Pending => match this.stall.as_mut().poll(cx) {
+                Poll::Ready(()) => Poll::Ready(Some(Err(format!(
+                    "the upstream sent nothing for {:?} mid-body",
+                    this.idle
+                )
+                .into()))),
+                Poll::Pending => Poll::Pending,
+            },
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.head.is_none() && self.rest.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        let head = self.head.as_ref().map_or(0, |h| h.len() as u64);
+        let rest = self.rest.size_hint();
+        let mut hint = SizeHint::new();
+        hint.set_lower(rest.lower() + head);
+        if let Some(upper) = rest.upper() {
+            hint.set_upper(upper + head);
+        }
+        hint
     }
 }
 

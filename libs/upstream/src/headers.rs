@@ -32,12 +32,33 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
     }
 }
 
+/// The headers idemgate sets upstream, never taken from the client.
+const OWNED: [HeaderName; 3] = [IDEMPOTENCY_KEY, X_TENANT_ID, TRACEPARENT];
+
+/// Whether a client header is one idemgate sets, in any spelling: CGI-style servers
+/// (Rack, PHP-FPM, older gunicorn) read `X_Tenant_Id` and `X-Tenant-Id` as the same
+/// variable, so a `_` counts as a `-` (names are already lowercase).
+fn spells_an_owned_header(name: &HeaderName) -> bool {
+    let name = name.as_str().as_bytes();
+    OWNED.iter().any(|owned| {
+        let owned = owned.as_str().as_bytes();
+        name.len() == owned.len()
+            && name
+                .iter()
+                .zip(owned)
+                .all(|(&a, &b)| a == b || (a == b'_' && b == b'-'))
+    })
+}
+
 /// The headers sent upstream: the client's end-to-end headers, minus those idemgate
-/// owns, plus the tenant from the token and the key exactly as scoped.
+/// owns (in any spelling), plus the tenant from the token, the key exactly as scoped
+/// and the trace context (a client's valid `traceparent`, or idemgate's own span's,
+/// which the client injects over it when tracing).
 pub fn upstream_request_headers(
     client: &HeaderMap,
     tenant: &str,
     key: Option<&IdempotencyKey>,
+    traceparent: Option<&str>,
 ) -> HeaderMap {
     let mut headers = client.clone();
     strip_hop_by_hop(&mut headers);
@@ -46,13 +67,22 @@ pub fn upstream_request_headers(
     headers.remove(header::HOST);
     headers.remove(header::CONTENT_LENGTH);
     headers.remove(header::EXPECT);
-    headers.remove(X_TENANT_ID);
-    headers.remove(IDEMPOTENCY_KEY);
+    let owned: Vec<HeaderName> = headers
+        .keys()
+        .filter(|name| spells_an_owned_header(name))
+        .cloned()
+        .collect();
+    for name in owned {
+        headers.remove(name);
+    }
     if let Ok(tenant) = HeaderValue::from_str(tenant) {
         headers.insert(X_TENANT_ID, tenant);
     }
     if let Some(key) = key.and_then(|k| HeaderValue::from_str(k.as_str()).ok()) {
         headers.insert(IDEMPOTENCY_KEY, key);
+    }
+    if let Some(tp) = traceparent.and_then(|tp| HeaderValue::from_str(tp).ok()) {
+        headers.insert(TRACEPARENT, tp);
     }
     headers
 }
@@ -64,11 +94,12 @@ pub fn passthrough_response_headers(mut headers: HeaderMap) -> HeaderMap {
     headers
 }
 
-/// The response as it is stored for replays.
+/// The response as it is stored for replays; `body` is `None` for a body too large
+/// to keep (recorded without it).
 pub fn to_stored(
     status: u16,
     headers: &HeaderMap,
-    body: Bytes,
+    body: Option<Bytes>,
     store_set_cookie: bool,
 ) -> StoredResponse {
     let per_connection = connection_named(headers);
@@ -78,10 +109,9 @@ pub fn to_stored(
         .filter(|(name, _)| core_headers::is_replayable(name.as_str(), store_set_cookie))
         .map(|(name, value)| (name.as_str().to_owned(), value.as_bytes().to_vec()))
         .collect();
-    StoredResponse {
-        status,
-        headers,
-        body,
+    match body {
+        Some(body) => StoredResponse::new(status, headers, body),
+        None => StoredResponse::without_body(status, headers),
     }
 }
 
@@ -138,7 +168,7 @@ mod tests {
             ("authorization", "Bearer t"),
         ]);
         let key = IdempotencyKey::parse(b"\"quoted\"").unwrap();
-        let h = upstream_request_headers(&client, "acme", Some(&key));
+        let h = upstream_request_headers(&client, "acme", Some(&key), None);
         assert_eq!(
             h.get_all("x-tenant-id").iter().collect::<Vec<_>>(),
             ["acme"]
@@ -160,7 +190,7 @@ mod tests {
             ("x-multi", "a"),
             ("x-multi", "b"),
         ]);
-        let stored = to_stored(201, &h, Bytes::from_static(b"abc"), false);
+        let stored = to_stored(201, &h, Some(Bytes::from_static(b"abc")), false);
         assert_eq!(
             stored.headers,
             vec![
@@ -176,7 +206,38 @@ mod tests {
                 .count(),
             2
         );
-        let with_cookie = to_stored(201, &h, Bytes::new(), true);
+        let with_cookie = to_stored(201, &h, Some(Bytes::new()), true);
         assert!(with_cookie.headers.iter().any(|(n, _)| n == "set-cookie"));
+        let omitted = to_stored(201, &h, None, false);
+        assert!(omitted.body_omitted && omitted.body.is_empty());
+        assert_eq!(omitted.headers, stored.headers);
+    }
+
+    #[test]
+    fn owned_headers_are_dropped_in_any_spelling() {
+        let client = map(&[
+            ("x_tenant_id", "globex"),
+            ("idempotency_key", "other"),
+            ("x-tenant_id", "globex"),
+            (
+                "traceparent",
+                "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
+            ),
+            ("trace_parent", "x"),
+            ("x_request_id", "kept"),
+        ]);
+        let key = IdempotencyKey::parse(b"k").unwrap();
+        let h = upstream_request_headers(&client, "acme", Some(&key), None);
+        assert_eq!(
+            h,
+            map(&[
+                ("trace_parent", "x"),
+                ("x_request_id", "kept"),
+                ("x-tenant-id", "acme"),
+                ("idempotency-key", "k"),
+            ])
+        );
+        let traced = upstream_request_headers(&client, "acme", None, Some("00-1-2-01"));
+        assert_eq!(traced["traceparent"], "00-1-2-01");
     }
 }

@@ -9,4 +9,4 @@
 pub mod client;
 pub mod headers;
 
-pub use client::{Forwarded, HttpClient, UpstreamResponse, forward, pooled_client};
+pub use client::{Forwarded, HttpClient, ResponseBody, UpstreamResponse, forward, pooled_client};

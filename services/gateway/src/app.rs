@@ -14,7 +14,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use http::StatusCode;
 use idem_auth::Authenticator;
-use idem_core::local::Local;
+use idem_core::local::{Bounds, Local};
 use idem_core::{Engine, MaybeCache};
 use idem_postgres::{PgLedger, PoolSettings};
 use idem_redis::{RedisCache, RedisSettings};
@@ -23,7 +23,8 @@ use serde_json::json;
 use tokio::net::TcpListener;
 use tokio_util::task::TaskTracker;
 
-use crate::handler;
+use crate::limits::{self, RequestLimits};
+use crate::{handler, server};
 use idem_config::Config;
 use idem_config::RouteTable;
 use idem_upstream::{self as upstream, HttpClient};
@@ -35,6 +36,12 @@ pub struct AppState {
     pub engine: Engine<PgLedger, MaybeCache<Local<RedisCache>>>,
     pub client: HttpClient,
     pub max_body_bytes: usize,
+    pub body_read_timeout: Duration,
+    /// Head size and requests in flight (see [`crate::limits`]).
+    pub limits: RequestLimits,
+    /// Slots for CPU-heavy work on the blocking pool (fingerprints of large bodies):
+    /// one per CPU.
+    pub cpu: Arc<tokio::sync::Semaphore>,
     /// Forward-and-store tasks, awaited on shutdown.
     pub tasks: TaskTracker,
     /// Completions that lost the fence (the reconciler resolved the row first).
@@ -46,6 +53,7 @@ pub struct Application {
     listener: TcpListener,
     state: Arc<AppState>,
     grace: Duration,
+    limits: server::Limits,
 }
 
 /// Build options beyond the config file.
@@ -80,7 +88,10 @@ impl Application {
                 RedisCache::start(&redis_settings(redis))
                     .await
                     .map_err(|e| anyhow::anyhow!("redis: {e}"))?,
-                redis.local_cache_entries,
+                Bounds {
+                    entries: redis.local_cache_entries,
+                    bytes: redis.local_cache_bytes,
+                },
             )),
             None => MaybeCache::None,
         };
@@ -88,19 +99,33 @@ impl Application {
             .await
             .with_context(|| format!("binding server.listen = {}", config.server.listen))?;
         let op_timeout = config.postgres.statement_timeout + config.postgres.acquire_timeout;
+        let server = &config.server;
+        let cpus = std::thread::available_parallelism().map_or(1, usize::from);
         let state = AppState {
             auth,
             routes: config.routes,
             engine: Engine::with_cache(PgLedger::new(pool, op_timeout), cache),
             client: upstream::pooled_client(),
-            max_body_bytes: config.server.max_body_bytes,
+            max_body_bytes: server.max_body_bytes,
+            body_read_timeout: server.body_read_timeout,
+            limits: RequestLimits::new(
+                server.max_header_bytes,
+                server.max_headers,
+                server.max_concurrent_requests,
+            ),
+            cpu: Arc::new(tokio::sync::Semaphore::new(cpus)),
             tasks: TaskTracker::new(),
             fenced: Default::default(),
         };
         Ok(Self {
             listener,
             state: Arc::new(state),
-            grace: config.server.shutdown_grace,
+            grace: server.shutdown_grace,
+            limits: server::Limits {
+                header_read_timeout: server.header_read_timeout,
+                max_header_bytes: server.max_header_bytes,
+                max_headers: server.max_headers,
+            },
         })
     }
 
@@ -123,13 +148,13 @@ impl Application {
     ) -> anyhow::Result<()> {
         let router = router(self.state.clone());
         let (stopping_tx, stopping_rx) = tokio::sync::oneshot::channel::<()>();
-        let server = axum::serve(self.listener, router).with_graceful_shutdown(async move {
+        let served = server::serve(self.listener, router, self.limits, async move {
             shutdown.await;
             let _ = stopping_tx.send(());
         });
-        let mut server = tokio::spawn(async move { server.await });
+        let mut server = tokio::spawn(served);
         tokio::select! {
-            result = &mut server => return Ok(result??),
+            result = &mut server => return Ok(result?),
             _ = stopping_rx => {}
         }
         tracing::info!(grace = ?self.grace, "shutting down: draining in-flight requests");
@@ -142,7 +167,7 @@ impl Application {
         })
         .await;
         match drained {
-            Ok(result) => Ok(result??),
+            Ok(result) => Ok(result?),
             Err(_) => {
                 tracing::warn!(grace = ?self.grace, "grace period over; abandoning requests still in flight");
                 Ok(())
@@ -184,6 +209,10 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/readyz", get(readyz))
         .route("/metrics", get(metrics))
         .fallback(handler::handle)
+        .layer(axum::middleware::from_fn_with_state(
+            state.clone(),
+            limits::enforce,
+        ))
         .with_state(state)
 }
 
@@ -222,12 +251,15 @@ async fn metrics(State(app): State<Arc<AppState>>) -> Response {
         .absolute(app.fenced.load(std::sync::atomic::Ordering::Relaxed));
     if let MaybeCache::Some(cache) = app.engine.cache() {
         gauge!("idemgate_local_cache_entries").set(cache.len() as f64);
+        gauge!("idemgate_local_cache_bytes").set(cache.bytes() as f64);
         let s = cache.inner().stats();
         gauge!("idemgate_cache_up").set(f64::from(u8::from(s.up)));
         counter!("idemgate_cache_hits_total").absolute(s.hits);
         counter!("idemgate_cache_misses_total").absolute(s.misses);
         counter!("idemgate_cache_errors_total").absolute(s.errors);
         counter!("idemgate_cache_skipped_total").absolute(s.skipped);
+        counter!("idemgate_cache_refused_total").absolute(s.refused);
+        gauge!("idemgate_cache_watched_channels").set(s.watched as f64);
     }
     (
         [(http::header::CONTENT_TYPE, "text/plain; version=0.0.4")],
@@ -272,6 +304,18 @@ fn describe_metrics() {
     describe_gauge!(
         "idemgate_local_cache_entries",
         "Completed responses held in this process."
+    );
+    describe_gauge!(
+        "idemgate_local_cache_bytes",
+        "Bytes held by the in-process replay cache."
+    );
+    describe_counter!(
+        "idemgate_cache_refused_total",
+        "Redis writes refused for lack of memory (the breaker stays closed)."
+    );
+    describe_gauge!(
+        "idemgate_cache_watched_channels",
+        "Redis pub/sub channels subscribed for retries waiting now."
     );
     describe_counter!("idemgate_cache_hits_total", "Replays served from Redis.");
     describe_counter!(

@@ -77,7 +77,13 @@ pub fn preferred_wait(headers: &HeaderMap) -> Option<Duration> {
         .next()
 }
 
-pub async fn read_body(body: Body, headers: &HeaderMap, limit: usize) -> Result<Bytes, Problem> {
+/// Reads the whole body, at most `limit` bytes (413 past it) within `timeout` (408).
+pub async fn read_body(
+    body: Body,
+    headers: &HeaderMap,
+    limit: usize,
+    timeout: Duration,
+) -> Result<Bytes, Problem> {
     let declared = headers
         .get(header::CONTENT_LENGTH)
         .and_then(|v| v.to_str().ok())
@@ -85,7 +91,11 @@ pub async fn read_body(body: Body, headers: &HeaderMap, limit: usize) -> Result<
     if declared.is_some_and(|len| len > limit as u64) {
         return Err(Problem::PayloadTooLarge { limit });
     }
-    match Limited::new(body, limit).collect().await {
+    let Ok(collected) = tokio::time::timeout(timeout, Limited::new(body, limit).collect()).await
+    else {
+        return Err(Problem::RequestTimeout { after: timeout });
+    };
+    match collected {
         Ok(collected) => Ok(collected.to_bytes()),
         Err(e) if e.is::<http_body_util::LengthLimitError>() => {
             Err(Problem::PayloadTooLarge { limit })

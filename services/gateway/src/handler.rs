@@ -103,14 +103,28 @@ async fn serve(app: Arc<AppState>, request: Request<Body>, span: Span) -> Handle
     } else {
         None
     };
-    let body = match read_body(body, &parts.headers, app.max_body_bytes).await {
+    let body = match read_body(
+        body,
+        &parts.headers,
+        app.max_body_bytes,
+        app.body_read_timeout,
+    )
+    .await
+    {
         Ok(body) => body,
         Err(problem) => return (problem, Some(route)).into(),
     };
+    // Continued only if it is a valid W3C value; anything else starts a new trace.
+    let client_trace = client_traceparent(&parts.headers);
     let Some(key) = key else {
         // Not idempotent (or key-less on a roll-out route): proxy as it is.
-        let response = match forward(&app, route, &parts, &tenant, None, body, route.timeout).await
-        {
+        let sent = Sent {
+            parts: &parts,
+            tenant: &tenant,
+            key: None,
+            traceparent: client_trace.as_deref(),
+        };
+        let response = match forward(&app, route, &sent, body, route.timeout).await {
             Forwarded::Answered(response) => passthrough(response),
             Forwarded::NotSent(_) => Problem::UpstreamUnavailable.into_response(),
             Forwarded::Unknown(_) => Problem::UpstreamTimeout.into_response(),
@@ -129,7 +143,7 @@ async fn serve(app: Arc<AppState>, request: Request<Body>, span: Span) -> Handle
     } else {
         BodyKind::Raw
     };
-    let fingerprint = match Fingerprint::compute(parts.method.as_str(), target, kind, &body) {
+    let fingerprint = match fingerprint(&app, parts.method.as_str(), target, kind, &body).await {
         Ok(fp) => fp,
         Err(why) => {
             let problem =
@@ -140,13 +154,7 @@ async fn serve(app: Arc<AppState>, request: Request<Body>, span: Span) -> Handle
     let wait = route.policy.wait_for(preferred_wait(&parts.headers));
     let scope = Scope::new(tenant.clone(), route.endpoint.clone(), key.clone());
     // Stored with the claim, so retries can link to this execution's span.
-    let trace_context = propagation::traceparent(&span).or_else(|| {
-        parts
-            .headers
-            .get(h::TRACEPARENT)
-            .and_then(|v| v.to_str().ok())
-            .map(str::to_owned)
-    });
+    let trace_context = propagation::traceparent(&span).or_else(|| client_trace.clone());
 
     // A completed response held in this process answers without I/O and without a task.
     let peeked = app.engine.peek(idem_core::Request {
@@ -173,8 +181,13 @@ async fn serve(app: Arc<AppState>, request: Request<Body>, span: Span) -> Handle
                             wait,
                             trace_context: trace_context.as_deref(),
                         };
-                        let execute =
-                            |attempt| execute(&app, &route, &parts, &tenant, &key, body, attempt);
+                        let sent = Sent {
+                            parts: &parts,
+                            tenant: &tenant,
+                            key: Some(&key),
+                            traceparent: client_trace.as_deref(),
+                        };
+                        let execute = |attempt| execute(&app, &route, &sent, body, attempt);
                         app.engine.run(request, execute).await
                     }
                     .instrument(span.clone()),
@@ -192,7 +205,7 @@ async fn serve(app: Arc<AppState>, request: Request<Body>, span: Span) -> Handle
                     app.fenced.fetch_add(1, Ordering::Relaxed);
                 }
                 Outcome::Replayed { trace_context, .. }
-                | Outcome::Mismatch { trace_context }
+                | Outcome::Mismatch { trace_context, .. }
                 | Outcome::InProgress { trace_context, .. } => {
                     // One click from this retry's trace to the first execution.
                     if let Some(first) = trace_context {
@@ -220,13 +233,67 @@ async fn serve(app: Arc<AppState>, request: Request<Body>, span: Span) -> Handle
     }
 }
 
+/// What is sent upstream besides the body.
+struct Sent<'a> {
+    parts: &'a Parts,
+    tenant: &'a str,
+    key: Option<&'a IdempotencyKey>,
+    /// The client's valid `traceparent`, continued when idemgate itself does not trace.
+    traceparent: Option<&'a str>,
+}
+
+/// The client's `traceparent`, if it sent exactly one and it is a valid W3C value.
+fn client_traceparent(headers: &http::HeaderMap) -> Option<String> {
+    let mut values = headers.get_all(h::TRACEPARENT).iter();
+    match (values.next(), values.next()) {
+        (Some(value), None) => value
+            .to_str()
+            .ok()
+            .filter(|v| propagation::parse_traceparent(v).is_some())
+            .map(str::to_owned),
+        _ => None,
+    }
+}
+
+/// Bodies larger than this are fingerprinted on the blocking pool: canonical JSON costs
+/// roughly 2-4 ms of CPU per MiB (loadtest/bench), long enough on an async worker to
+/// delay every other request's I/O behind it. Smaller bodies cost tens of microseconds
+/// and are done in place.
+const FINGERPRINT_INLINE_UP_TO: usize = 32 * 1024;
+
+/// The request's fingerprint; large bodies off the async workers, at most one per CPU
+/// at a time (so a flood of large bodies queues here, not on the workers).
+async fn fingerprint(
+    app: &AppState,
+    method: &str,
+    target: &str,
+    kind: BodyKind,
+    body: &Bytes,
+) -> Result<Fingerprint, idem_core::canonical::JsonError> {
+    if body.len() <= FINGERPRINT_INLINE_UP_TO {
+        return Fingerprint::compute(method, target, kind, body);
+    }
+    let permit = app
+        .cpu
+        .clone()
+        .acquire_owned()
+        .await
+        .expect("the CPU pool is never closed");
+    let (method, target, body) = (method.to_owned(), target.to_owned(), body.clone());
+    tokio::task::spawn_blocking(move || {
+        // Held by the work itself, so a client that hangs up frees no slot early.
+        let _permit = permit;
+        Fingerprint::compute(&method, &target, kind, &body)
+    })
+    .await
+    .expect("fingerprinting never panics")
+}
+
 /// The engine's upstream call for the attempt that won the claim.
 async fn execute(
     app: &AppState,
     route: &Route,
-    parts: &Parts,
-    tenant: &str,
-    key: &IdempotencyKey,
+    sent: &Sent<'_>,
     body: Bytes,
     attempt: Attempt,
 ) -> Execution<idem_upstream::UpstreamResponse> {
@@ -238,14 +305,15 @@ async fn execute(
         return Execution::NotSent;
     }
     gauge!("idemgate_inflight_executions").increment(1.0);
-    let forwarded = forward(app, route, parts, tenant, Some(key), body, timeout).await;
+    let forwarded = forward(app, route, sent, body, timeout).await;
     gauge!("idemgate_inflight_executions").decrement(1.0);
     match forwarded {
         Forwarded::Answered(response) => Execution::Responded {
+            // Past max_response_bytes the body streams on to this client and is not kept.
             stored: h::to_stored(
                 response.status.as_u16(),
                 &response.headers,
-                response.body.clone(),
+                response.body.full().cloned(),
                 route.policy.store_set_cookie,
             ),
             passthrough: response,
@@ -264,12 +332,11 @@ async fn execute(
 async fn forward(
     app: &AppState,
     route: &Route,
-    parts: &Parts,
-    tenant: &str,
-    key: Option<&IdempotencyKey>,
+    sent: &Sent<'_>,
     body: Bytes,
     timeout: Duration,
 ) -> Forwarded {
+    let parts = sent.parts;
     let target = parts.uri.path_and_query().map_or("/", |pq| pq.as_str());
     let uri = match route.upstream.uri_for(target) {
         Ok(uri) => uri,
@@ -278,9 +345,11 @@ async fn forward(
     let mut request = Request::new(Full::new(body));
     *request.method_mut() = parts.method.clone();
     *request.uri_mut() = uri;
-    *request.headers_mut() = h::upstream_request_headers(&parts.headers, tenant, key);
+    *request.headers_mut() =
+        h::upstream_request_headers(&parts.headers, sent.tenant, sent.key, sent.traceparent);
     let started = Instant::now();
-    let forwarded = upstream::forward(&app.client, request, timeout).await;
+    let forwarded =
+        upstream::forward(&app.client, request, timeout, route.max_response_bytes).await;
     histogram!("idemgate_upstream_duration_seconds", "endpoint" => route.endpoint.clone())
         .record(started.elapsed().as_secs_f64());
     forwarded

@@ -7,6 +7,8 @@
 //! - [`extract`]: reading the token, the key, the body and `Prefer: wait`.
 //! - [`respond`]: an engine outcome as the client's response.
 //! - [`problem`]: every error response, as `application/problem+json`.
+//! - [`server`]: the listener; connection-level limits (head timeout, hard head caps).
+//! - [`limits`]: per-request limits (head size, requests in flight), as middleware.
 //!
 //! Configuration and routes live in `idem-config`, the upstream client and header rules
 //! in `idem-upstream`, both shared with the reconciler.
@@ -15,8 +17,10 @@
 pub mod app;
 pub mod extract;
 pub mod handler;
+pub mod limits;
 pub mod problem;
 pub mod respond;
+pub mod server;
 
 pub use app::{Application, BuildOptions};
 pub use idem_config::Config;

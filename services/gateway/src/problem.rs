@@ -19,14 +19,28 @@ pub enum Problem {
     KeyInvalid(String),
     KeyReused {
         status: u16,
+        /// Whether the operation the key belongs to is completed (else in progress).
+        completed: bool,
     },
     InProgress {
         retry_after: Duration,
+        /// The first attempt's lease ran out without a result: it may have acted.
+        outcome_unknown: bool,
     },
+    /// The operation completed once, but its response was too large to keep.
+    ResultUnavailable,
     Unauthorized(AuthError),
     PayloadTooLarge {
         limit: usize,
     },
+    /// The request head is over `server.max_header_bytes` or `server.max_headers`.
+    HeadersTooLarge(String),
+    /// The body did not arrive within `server.body_read_timeout`.
+    RequestTimeout {
+        after: Duration,
+    },
+    /// `server.max_concurrent_requests` are in flight.
+    Overloaded,
     RequestInvalid(String),
     RouteNotFound,
     UpstreamUnavailable,
@@ -44,6 +58,38 @@ impl Problem {
         self.parts().1
     }
 
+    /// For the idempotency problems: where the operation stands (`in_progress`,
+    /// `completed` or `unknown`) and whether a new key is safe, i.e. whether the
+    /// operation provably did not run. `None` for problems that claimed nothing.
+    pub fn operation(&self) -> Option<(&'static str, bool)> {
+        use Problem::*;
+        match self {
+            KeyReused { completed, .. } => Some((
+                if *completed {
+                    "completed"
+                } else {
+                    "in_progress"
+                },
+                false,
+            )),
+            InProgress {
+                outcome_unknown, ..
+            } => Some((
+                if *outcome_unknown {
+                    "unknown"
+                } else {
+                    "in_progress"
+                },
+                false,
+            )),
+            ResultUnavailable => Some(("completed", false)),
+            // Connection refused: the upstream never saw it, and the key was released.
+            UpstreamUnavailable => Some(("unknown", true)),
+            UpstreamTimeout | LedgerUnavailable | OutcomeUnrecorded => Some(("unknown", false)),
+            _ => None,
+        }
+    }
+
     fn parts(&self) -> (StatusCode, &'static str, &'static str, String) {
         use Problem::*;
         match self {
@@ -59,7 +105,7 @@ impl Problem {
                 "Idempotency-Key invalid",
                 why.clone(),
             ),
-            KeyReused { status } => (
+            KeyReused { status, .. } => (
                 StatusCode::from_u16(*status).unwrap_or(StatusCode::CONFLICT),
                 "idempotency-key-reused",
                 "Idempotency-Key reused with a different request",
@@ -70,6 +116,12 @@ impl Problem {
                 "idempotency-key-in-progress",
                 "Request with this Idempotency-Key is in progress",
                 "An earlier request with this key has not finished yet. Retry after the interval in Retry-After; the result will be replayed.".into(),
+            ),
+            ResultUnavailable => (
+                StatusCode::GONE,
+                "idempotency-result-unavailable",
+                "Result not available for replay",
+                "The operation with this key was executed once, but its response was too large to keep, so it cannot be replayed. It will not be executed again.".into(),
             ),
             Unauthorized(why) => (
                 StatusCode::UNAUTHORIZED,
@@ -82,6 +134,27 @@ impl Problem {
                 "payload-too-large",
                 "Payload too large",
                 format!("The request body exceeds the limit of {limit} bytes."),
+            ),
+            HeadersTooLarge(why) => (
+                StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
+                "request-header-fields-too-large",
+                "Request header fields too large",
+                why.clone(),
+            ),
+            RequestTimeout { after } => (
+                StatusCode::REQUEST_TIMEOUT,
+                "request-timeout",
+                "Request timeout",
+                format!(
+                    "The request body did not arrive within {}; nothing was executed.",
+                    humantime::format_duration(*after)
+                ),
+            ),
+            Overloaded => (
+                StatusCode::SERVICE_UNAVAILABLE,
+                "overloaded",
+                "Overloaded",
+                "Too many requests are in flight; nothing was executed. Retry after the interval in Retry-After.".into(),
             ),
             RequestInvalid(why) => (
                 StatusCode::BAD_REQUEST,
@@ -115,7 +188,7 @@ impl Problem {
             ),
             OutcomeUnrecorded => (
                 StatusCode::SERVICE_UNAVAILABLE,
-                "service-unavailable",
+                "outcome-unrecorded",
                 "Outcome not recorded",
                 "The upstream answered but its result could not be recorded yet; the key is held until it is. Retry with the same key later to get the result.".into(),
             ),
@@ -132,12 +205,16 @@ impl Problem {
 impl IntoResponse for Problem {
     fn into_response(self) -> Response {
         let (status, slug, title, detail) = self.parts();
-        let body = json!({
+        let mut body = json!({
             "type": format!("{TYPE_BASE}{slug}"),
             "title": title,
             "status": status.as_u16(),
             "detail": detail,
         });
+        if let Some((state, safe_new_key)) = self.operation() {
+            body["operation_state"] = state.into();
+            body["safe_new_key"] = safe_new_key.into();
+        }
         let mut response = (status, body.to_string()).into_response();
         let headers = response.headers_mut();
         headers.insert(
@@ -145,14 +222,18 @@ impl IntoResponse for Problem {
             HeaderValue::from_static("application/problem+json"),
         );
         match &self {
-            Problem::InProgress { retry_after } => {
+            Problem::InProgress { retry_after, .. } => {
                 headers.insert(
                     header::RETRY_AFTER,
                     HeaderValue::from(retry_after.as_secs().max(1)),
                 );
             }
-            Problem::LedgerUnavailable | Problem::OutcomeUnrecorded => {
+            Problem::LedgerUnavailable | Problem::OutcomeUnrecorded | Problem::Overloaded => {
                 headers.insert(header::RETRY_AFTER, HeaderValue::from(1));
+            }
+            // The rest of the body may still be on its way: this connection is done.
+            Problem::RequestTimeout { .. } => {
+                headers.insert(header::CONNECTION, HeaderValue::from_static("close"));
             }
             Problem::Unauthorized(why) => {
                 let challenge = match why {

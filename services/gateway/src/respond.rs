@@ -7,8 +7,8 @@ use axum::response::{IntoResponse, Response};
 use http::{HeaderValue, StatusCode};
 use idem_config::Route;
 use idem_core::{Outcome, StoredResponse, UnknownCause};
-use idem_upstream::UpstreamResponse;
 use idem_upstream::headers::{self as h, IDEMPOTENT_REPLAYED, PREFERENCE_APPLIED};
+use idem_upstream::{ResponseBody, UpstreamResponse};
 
 use crate::problem::Problem;
 
@@ -34,16 +34,22 @@ pub fn respond(
             applied(&mut response, waited);
             response
         }
-        Outcome::Mismatch { .. } => Problem::KeyReused {
+        Outcome::Mismatch { completed, .. } => Problem::KeyReused {
             status: route.policy.mismatch_status,
+            completed,
         }
         .into_response(),
         Outcome::InProgress {
             retry_after,
             waited,
+            outcome_unknown,
             ..
         } => {
-            let mut response = Problem::InProgress { retry_after }.into_response();
+            let mut response = Problem::InProgress {
+                retry_after,
+                outcome_unknown,
+            }
+            .into_response();
             applied(&mut response, waited);
             response
         }
@@ -53,17 +59,30 @@ pub fn respond(
     }
 }
 
-/// The first execution's answer, as the upstream sent it (hop-by-hop removed).
+/// The first execution's answer, as the upstream sent it (hop-by-hop removed); a body
+/// past the route's cap streams on from the upstream.
 pub fn passthrough(upstream: UpstreamResponse) -> Response {
-    let mut response = Response::new(Body::from(upstream.body));
+    let body = match upstream.body {
+        ResponseBody::Full(bytes) => Body::from(bytes),
+        ResponseBody::Streaming(rest) => Body::new(rest),
+    };
+    let mut response = Response::new(body);
     *response.status_mut() = upstream.status;
     *response.headers_mut() = h::passthrough_response_headers(upstream.headers);
     response
 }
 
 /// A stored response, replayed: same status, body and kept headers; a fresh `Date`
-/// (added by the server) and a `Content-Length` computed from the body.
+/// (added by the server) and a `Content-Length` computed from the body. A response
+/// recorded without its body (too large to keep) is a 410: it happened, once.
 pub fn replay(stored: StoredResponse) -> Response {
+    if stored.body_omitted {
+        let mut response = Problem::ResultUnavailable.into_response();
+        response
+            .headers_mut()
+            .insert(IDEMPOTENT_REPLAYED, HeaderValue::from_static("true"));
+        return response;
+    }
     let mut response = Response::new(Body::from(stored.body));
     *response.status_mut() = StatusCode::from_u16(stored.status).unwrap_or(StatusCode::OK);
     let mut headers = h::from_stored(&stored.headers);

@@ -74,10 +74,12 @@ impl Reconciler {
         let scope = &row.scope;
         match self.ask(route, probe, row).await {
             Forwarded::Answered(answer) if answer.status.is_success() => {
+                // A body past the route's max_response_bytes is recorded without it (and
+                // not read further): retries then learn the operation happened (410).
                 let stored = to_stored(
                     answer.status.as_u16(),
                     &answer.headers,
-                    answer.body,
+                    answer.body.full().cloned(),
                     route.policy.store_set_cookie,
                 );
                 let fence = reconcile::complete(&self.pool, row, &stored, route.policy.ttl).await?;
@@ -136,7 +138,13 @@ impl Reconciler {
         if let Ok(key) = HeaderValue::from_str(row.scope.key.as_str()) {
             headers.insert(IDEMPOTENCY_KEY, key);
         }
-        idem_upstream::forward(&self.client, request, route.timeout).await
+        idem_upstream::forward(
+            &self.client,
+            request,
+            route.timeout,
+            route.max_response_bytes,
+        )
+        .await
     }
 
     fn settle(

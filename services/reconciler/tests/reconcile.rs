@@ -129,6 +129,58 @@ async fn an_upstream_timeout_is_resolved_by_the_probe() {
     assert_eq!(db.executions("demo_payments", "acme", &key).await, 1);
 }
 
+// On main (run without `max_response_bytes`, unknown there): "nothing of the oversized
+// answer is stored" failed with 300000 bytes stored — probe bodies had no cap.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_probe_answer_too_large_to_keep_completes_the_key_without_its_body() {
+    let db = TestDb::create().await;
+    // Probes carry no x-test-* headers: they get 200 and 300 kB.
+    let upstream = TestUpstream::answering(200, Some(300_000)).await;
+    let cfg = config_toml(
+        &db,
+        &probed_route(
+            &upstream.url(),
+            "300ms",
+            &format!("{PROBE}\nmax_response_bytes = 100000"),
+        ),
+    );
+    let gw = GatewayProcess::start(&cfg).await;
+    let http = Http::default();
+    let key = new_key();
+    let send = || {
+        http.post(&gw.url("/payments"))
+            .tenant("acme")
+            .key(&key)
+            .header("x-test-bytes", "10")
+            .json(&payment("o-big", 100))
+    };
+    let first = send().header("x-test-delay-ms", "1000").send().await;
+    assert_eq!(first.status, StatusCode::GATEWAY_TIMEOUT);
+    past_lease().await;
+    let pass = reconcile_once(&cfg).await;
+    assert!(
+        pass.stdout.contains("completed=1"),
+        "{}{}",
+        pass.stdout,
+        pass.stderr
+    );
+    let (status, response_status, body) = row(&db, &key).await.unwrap();
+    assert_eq!((status.as_str(), response_status), ("completed", Some(200)));
+    assert_eq!(
+        body.map(|b| b.len()),
+        Some(0),
+        "nothing of the oversized answer is stored"
+    );
+
+    let retry = send().send().await;
+    assert_eq!(retry.status, StatusCode::GONE);
+    assert_eq!(retry.problem(), "idempotency-result-unavailable");
+    assert!(retry.replayed());
+    assert_eq!(retry.json()["operation_state"], "completed");
+    // The POST once, the probe once; the retry reached nobody.
+    assert_eq!(upstream.calls(), 2);
+}
+
 /// A TCP server that accepts requests and never answers: sent, outcome unknown.
 async fn black_hole() -> String {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();

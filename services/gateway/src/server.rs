@@ -1,0 +1,92 @@
+//! The HTTP/1.1 listener: accepting connections and serving each with hyper, under the
+//! connection-level limits of DESIGN §11 that a handler cannot enforce itself.
+//!
+//! - A request head must arrive within `server.header_read_timeout`, or the connection
+//!   is closed (slowloris). hyper starts that clock whenever it waits for a head, so an
+//!   idle keep-alive connection is closed after the same time.
+//! - hyper refuses heads past twice `server.max_header_bytes` / `server.max_headers`
+//!   with a bare 431 and closes the connection; below that, [`crate::limits`] answers
+//!   431 with a problem body at the exact limits. (hyper cannot be asked for a body on
+//!   its own refusals, and it must not buffer unbounded heads to let us decide.)
+//!
+//! `axum::serve` sets neither (it builds hyper without a timer), which is why this
+//! module exists.
+
+use std::future::Future;
+use std::pin::pin;
+use std::time::Duration;
+
+use axum::Router;
+use hyper_util::rt::{TokioIo, TokioTimer};
+use hyper_util::service::TowerToHyperService;
+use tokio::net::TcpListener;
+use tokio::sync::watch;
+
+/// The connection-level limits.
+#[derive(Debug, Clone, Copy)]
+pub struct Limits {
+    pub header_read_timeout: Duration,
+    pub max_header_bytes: usize,
+    pub max_headers: usize,
+}
+
+/// Serves `router` on `listener` until `shutdown` resolves; then stops accepting, asks
+/// every open connection to finish its request in flight and close, and returns once
+/// all have.
+pub async fn serve(
+    listener: TcpListener,
+    router: Router,
+    limits: Limits,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) {
+    let mut http = hyper::server::conn::http1::Builder::new();
+    http.timer(TokioTimer::new())
+        .header_read_timeout(limits.header_read_timeout)
+        .max_header_size(limits.max_header_bytes.saturating_mul(2))
+        .max_headers(limits.max_headers.saturating_mul(2));
+    // Dropped when shutdown starts: every connection task watches for that.
+    let (stop_tx, stop_rx) = watch::channel(());
+    // Each connection task holds a clone; `closed()` resolves when all are gone.
+    let (done_tx, _) = watch::channel(());
+    let mut shutdown = pin!(shutdown);
+    loop {
+        let stream = tokio::select! {
+            accepted = listener.accept() => match accepted {
+                Ok((stream, _)) => stream,
+                Err(error) => {
+                    // Out of file descriptors, or a connection reset before accept:
+                    // back off a little rather than spin.
+                    tracing::warn!(%error, "accept failed");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            },
+            () = &mut shutdown => break,
+        };
+        let _ = stream.set_nodelay(true);
+        let service = TowerToHyperService::new(router.clone());
+        let connection = http.serve_connection(TokioIo::new(stream), service);
+        let mut stop = stop_rx.clone();
+        let done = done_tx.subscribe();
+        tokio::spawn(async move {
+            let mut connection = pin!(connection);
+            tokio::select! {
+                result = connection.as_mut() => {
+                    if let Err(error) = result {
+                        tracing::debug!(%error, "connection ended with an error");
+                    }
+                }
+                _ = stop.changed() => {
+                    connection.as_mut().graceful_shutdown();
+                    if let Err(error) = connection.await {
+                        tracing::debug!(%error, "connection ended with an error");
+                    }
+                }
+            }
+            drop(done);
+        });
+    }
+    drop(listener);
+    drop(stop_tx);
+    done_tx.closed().await;
+}
