@@ -15,6 +15,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import tomllib
 import unittest
 from pathlib import Path
 
@@ -25,6 +26,14 @@ ROOT = Path(__file__).resolve().parent.parent
 CHART = ROOT / "helm" / "idemgate"
 KUBE = "1.30.0"
 BINARY = Path(sys.argv[1] if len(sys.argv) > 1 else os.environ.get("IDEMGATE_BIN", ROOT / "target" / "debug" / "idemgate"))
+
+
+LIMITS = {
+    "server": {"max_body_bytes": 1048576, "max_header_bytes": 16384, "max_headers": 100,
+               "header_read_timeout": "10s", "body_read_timeout": "30s", "max_concurrent_requests": 1024},
+    "redis": {"local_cache_bytes": 64 * 1024 * 1024},
+    "route": {"max_response_bytes": 10 * 1024 * 1024},
+}
 
 
 def render(values: dict) -> list[dict]:
@@ -148,9 +157,18 @@ class ChartTest(unittest.TestCase):
 
     def test_schema_rejects_bad_values(self):
         for bad in [{"replicas": 3}, {"auth": {"mode": "basic"}}, {"config": {"idempotency": {"ttl": "forever"}}},
-                    {"redis": {"prefix": "{x}"}}]:
+                    {"redis": {"prefix": "{x}"}}, {"config": {"server": {"max_header_bytes": 100}}},
+                    {"config": {"server": {"header_read_timeout": "soon"}}}, {"redis": {"localCacheBytes": -1}}]:
             with self.assertRaises(Exception, msg=str(bad)):
                 render(bad)
+
+    def test_limits_are_values_with_the_binarys_defaults(self):
+        # The defaults of DESIGN §11 / the README's limits table, as the binary has them.
+        config = tomllib.loads(by_kind(render({}), "ConfigMap", "idemgate")[0]["data"]["idemgate.toml"])
+        self.assertEqual({k: config["server"][k] for k in LIMITS["server"]}, LIMITS["server"])
+        self.assertEqual(config["redis"]["local_cache_bytes"], LIMITS["redis"]["local_cache_bytes"])
+        for route in config["routes"]:
+            self.assertEqual(route["max_response_bytes"], LIMITS["route"]["max_response_bytes"])
 
     def test_rendered_config_passes_check_config(self):
         self.assertTrue(BINARY.exists(), f"{BINARY} missing: build it with cargo build --workspace --bins")
