@@ -8,8 +8,10 @@
 //! It is bounded twice, by entries and by bytes (an honest count of what each entry
 //! holds: body, headers, scope and trace context, plus bookkeeping). When either bound is
 //! passed, the least recently used entries go first; a hit moves an entry to the back of
-//! the eviction order, so hot keys stay. An entry bigger than the whole budget is never
-//! held. Time is `tokio::time`, so tests can pause and advance it.
+//! the eviction order, so hot keys stay. An entry bigger than [`MAX_ENTRY_BYTES`] (or
+//! than the whole budget) is never held: copies in process are for hot, small replays,
+//! and one large body would push out hundreds of them (it is replayed from Redis or
+//! Postgres instead). Time is `tokio::time`, so tests can pause and advance it.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Mutex;
@@ -27,6 +29,8 @@ use crate::scope::Scope;
 const ENTRY_OVERHEAD: usize = 256;
 /// Per stored header: its two vectors' headers and allocation slack.
 const HEADER_OVERHEAD: usize = 48;
+/// The largest entry held in process.
+pub const MAX_ENTRY_BYTES: usize = 1 << 20;
 
 /// The bounds of a [`Local`] cache.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -124,7 +128,10 @@ impl<C> Local<C> {
 
     fn put(&self, scope: &Scope, entry: &CacheEntry, ttl: Duration) {
         let size = entry_size(scope, entry);
-        if self.bounds.entries == 0 || ttl.is_zero() || size > self.bounds.bytes {
+        if self.bounds.entries == 0
+            || ttl.is_zero()
+            || size > self.bounds.bytes.min(MAX_ENTRY_BYTES)
+        {
             return;
         }
         let until = Instant::now() + ttl;
@@ -302,6 +309,20 @@ mod tests {
         local.fill(&scope("huge"), &entry(40_000), HOUR).await;
         assert!(local.get(&scope("huge")).is_none());
         assert_eq!(local.len(), 3);
+    }
+
+    #[tokio::test]
+    async fn a_large_body_is_never_held_in_process_however_big_the_budget() {
+        let local = local(10, 64 << 20);
+        local.fill(&scope("small"), &entry(1000), HOUR).await;
+        local
+            .fill(&scope("large"), &entry(MAX_ENTRY_BYTES), HOUR)
+            .await;
+        assert!(local.get(&scope("large")).is_none());
+        assert!(
+            local.get(&scope("small")).is_some(),
+            "and it evicted nothing"
+        );
     }
 
     #[tokio::test]

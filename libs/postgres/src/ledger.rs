@@ -20,6 +20,9 @@ use uuid::Uuid;
 
 use crate::headers;
 
+/// A connection that wrote a response body larger than this is closed after use.
+const CLOSE_AFTER_BYTES: usize = 1 << 20;
+
 /// How often a claim is retried when the row it conflicted with vanished before it
 /// could be read (released in between).
 const CLAIM_ROUNDS: usize = 3;
@@ -153,21 +156,27 @@ impl Ledger for PgLedger {
              response_omitted = $9, completed_at = now(), locked_until = NULL, \
              expires_at = now() + $8::float8 * interval '1 millisecond' \
              WHERE tenant_id = $1 AND endpoint = $2 AND key = $3 AND attempt = $4";
+        let statement = sqlx::query(SQL)
+            .bind(&scope.tenant)
+            .bind(&scope.endpoint)
+            .bind(scope.key.as_str())
+            .bind(attempt.0)
+            .bind(i32::from(response.status))
+            .bind(headers::encode(&response.headers))
+            .bind(&response.body[..])
+            .bind(millis(ttl))
+            .bind(response.body_omitted);
         let result = self
-            .bounded(
-                "complete",
-                sqlx::query(SQL)
-                    .bind(&scope.tenant)
-                    .bind(&scope.endpoint)
-                    .bind(scope.key.as_str())
-                    .bind(attempt.0)
-                    .bind(i32::from(response.status))
-                    .bind(headers::encode(&response.headers))
-                    .bind(&response.body[..])
-                    .bind(millis(ttl))
-                    .bind(response.body_omitted)
-                    .execute(&self.pool),
-            )
+            .bounded("complete", async {
+                let mut conn = self.pool.acquire().await?;
+                if response.body.len() > CLOSE_AFTER_BYTES {
+                    // The connection's write buffer grew to hold this body, and sqlx never
+                    // shrinks it: a pool of such connections would keep one large body's
+                    // worth of memory each, for good. This one is closed after use.
+                    conn.close_on_drop();
+                }
+                statement.execute(&mut *conn).await
+            })
             .await?;
         Ok(fence(result.rows_affected()))
     }

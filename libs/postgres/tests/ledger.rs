@@ -217,3 +217,45 @@ async fn a_connection_cut_while_idle_is_replaced_before_a_request_uses_it() {
         .unwrap();
     assert_ne!(now, backend, "a new connection should serve the request");
 }
+
+/// sqlx never shrinks a connection's write buffer: one that stored a large body would
+/// keep that much memory for its whole life, in every pooled connection that ever did.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connection_that_stored_a_large_body_is_closed_after_use() {
+    let db = TestDb::create().await;
+    db.migrate().await;
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(1)
+        .connect(&db.url)
+        .await
+        .unwrap();
+    let ledger = PgLedger::new(pool.clone(), Duration::from_secs(5));
+    let backend = || async {
+        sqlx::query_scalar::<_, i32>("SELECT pg_backend_pid()")
+            .fetch_one(&pool)
+            .await
+            .unwrap()
+    };
+    let store = |key: &'static str, bytes: usize| {
+        let ledger = ledger.clone();
+        async move {
+            let scope = scope(key);
+            let (attempt, _) = claim(&ledger, &scope, Duration::from_secs(30)).await;
+            let body = StoredResponse::new(201, Vec::new(), Bytes::from(vec![b'x'; bytes]));
+            let ttl = Duration::from_secs(60);
+            assert_eq!(
+                ledger.complete(&scope, attempt, &body, ttl).await.unwrap(),
+                Fence::Held
+            );
+        }
+    };
+    let first = backend().await;
+    store("small", 100_000).await;
+    assert_eq!(backend().await, first, "a small body keeps its connection");
+    store("large", 2 << 20).await;
+    assert_ne!(
+        backend().await,
+        first,
+        "the large body's connection was closed"
+    );
+}

@@ -100,7 +100,10 @@ impl Application {
             .with_context(|| format!("binding server.listen = {}", config.server.listen))?;
         let op_timeout = config.postgres.statement_timeout + config.postgres.acquire_timeout;
         let server = &config.server;
+        // Large-body fingerprints run on at most all cores but one, so however many
+        // arrive at once, the request threads keep a core for everyone else's I/O.
         let cpus = std::thread::available_parallelism().map_or(1, usize::from);
+        let cpu_heavy = cpus.saturating_sub(1).max(1);
         let state = AppState {
             auth,
             routes: config.routes,
@@ -113,7 +116,7 @@ impl Application {
                 server.max_headers,
                 server.max_concurrent_requests,
             ),
-            cpu: Arc::new(tokio::sync::Semaphore::new(cpus)),
+            cpu: Arc::new(tokio::sync::Semaphore::new(cpu_heavy)),
             tasks: TaskTracker::new(),
             fenced: Default::default(),
         };
