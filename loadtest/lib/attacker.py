@@ -1,0 +1,195 @@
+#!/usr/bin/env python3
+"""The adversarial client of loadtest/bench: one tenant doing its worst within the limits.
+
+    attacker.py serve-big PORT                 the attacker's upstream: /sink reads the body and
+                                               answers 201 {}; anything else gets 4 MiB
+    attacker.py attack URL TOKEN SECONDS       worst-case load on a gateway, for SECONDS
+    attacker.py cpu URL TOKEN PID [N]          gateway CPU per worst-case 1 MiB body
+
+`attack` is one client that sends, one after another on one connection until SECONDS
+have passed, 1 MiB JSON objects of 86,000 members and 1 MiB bodies of objects nested 100 deep (POSTed to /sink, whose upstream
+does not parse them: the gateway's fingerprint is what they cost) and POSTs to /big,
+whose upstream answers 4 MiB (stored and cached: under the route's max_response_bytes);
+beside them, 200 connections trickle a request head and never finish it (reopened when
+the gateway closes them). It prints one JSON line: what it sent and what came back.
+`cpu` sends N (default 20) bodies of each shape one after another, and prints the gateway
+process's CPU milliseconds per request for each (a flat 1 MiB string for comparison).
+Traffic goes to the URL given (127.0.0.1) only, and everything stops by itself.
+"""
+import http.client
+import http.server
+import json
+import os
+import socket
+import socketserver
+import sys
+import threading
+import time
+import urllib.parse
+import uuid
+
+BODY_LIMIT = 1024 * 1024
+
+
+def members_body():
+    # {"0000000":0,"0000001":0,...}: 86,000 distinct names, just under 1 MiB.
+    return ("{" + ",".join(f'"{i:07}":0' for i in range(86_000)) + "}").encode()
+
+
+def deep_body():
+    # [{"a":{"a":...100 deep...}}, ...]: as many as fit in 1 MiB.
+    one = '{"a":' * 100 + "0" + "}" * 100
+    return ("[" + ",".join([one] * ((BODY_LIMIT - 2) // (len(one) + 1))) + "]").encode()
+
+
+def flat_body():
+    return ('{"orderId":"' + "x" * (BODY_LIMIT - 64) + '","amountUah":1}').encode()
+
+
+class Client:
+    """One keep-alive connection, reopened after an error."""
+
+    def __init__(self, url, token):
+        self.url = urllib.parse.urlsplit(url)
+        self.token = token
+        self.conn = None
+
+    def post(self, path, body, timeout=30):
+        if self.conn is None:
+            self.conn = http.client.HTTPConnection(self.url.hostname, self.url.port, timeout=timeout)
+        try:
+            self.conn.request("POST", path, body=body, headers={
+                "Authorization": f"Bearer {self.token}",
+                "Idempotency-Key": f"attack-{uuid.uuid4()}",
+                "Content-Type": "application/json",
+            })
+            response = self.conn.getresponse()
+            size = len(response.read())
+            if response.getheader("connection", "").lower() == "close":
+                self.close()
+            return response.status, size
+        except (OSError, http.client.HTTPException):
+            self.close()
+            return "error", 0
+
+    def close(self):
+        if self.conn is not None:
+            self.conn.close()
+            self.conn = None
+
+
+def serve_big(port):
+    body = bytes(i % 251 for i in range(4 * 1024 * 1024))
+
+    class Big(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def do_POST(self):
+            self.rfile.read(int(self.headers.get("content-length", 0)))
+            answer = b"{}" if self.path == "/sink" else body
+            self.send_response(201)
+            self.send_header("content-type", "application/octet-stream")
+            self.send_header("content-length", str(len(answer)))
+            self.end_headers()
+            self.wfile.write(answer)
+
+        do_GET = do_POST
+
+        def log_message(self, *args):
+            pass
+
+    class Server(socketserver.ThreadingMixIn, http.server.HTTPServer):
+        daemon_threads = True
+
+    Server(("127.0.0.1", port), Big).serve_forever()
+
+
+def attack(url, token, seconds):
+    deadline = time.monotonic() + seconds
+    tally, lock = {}, threading.Lock()
+
+    def count(kind, outcome):
+        with lock:
+            tally.setdefault(kind, {}).setdefault(str(outcome), 0)
+            tally[kind][str(outcome)] += 1
+
+    def bodies(kinds):
+        client = Client(url, token)
+        while time.monotonic() < deadline:
+            for kind, path, body in kinds:
+                status, _ = client.post(path, body)
+                count(kind, status)
+        client.close()
+
+    def slow_heads(n=200):
+        target = urllib.parse.urlsplit(url)
+        socks = []
+
+        def opened():
+            s = socket.create_connection((target.hostname, target.port), timeout=5)
+            s.setblocking(False)
+            s.send(b"POST /payments HTTP/1.1\r\nHost: x\r\n")
+            count("slow_heads", "opened")
+            return s
+
+        socks = [opened() for _ in range(n)]
+        while time.monotonic() < deadline:
+            for i, s in enumerate(socks):
+                try:
+                    s.send(b"x")  # never a full header line
+                    if s.recv(1) == b"":
+                        raise ConnectionResetError
+                except BlockingIOError:
+                    pass
+                except OSError:
+                    s.close()
+                    count("slow_heads", "closed by the gateway")
+                    socks[i] = opened()
+            time.sleep(1)
+        for s in socks:
+            s.close()
+
+    # One client: one connection sending the three kinds of request back to back, as
+    # fast as the gateway answers, beside the slow heads.
+    threads = [
+        threading.Thread(target=bodies, args=([("members_86k", "/sink", members_body()),
+                                               ("nested_100", "/sink", deep_body()),
+                                               ("response_4mib", "/big", b"{}")],)),
+        threading.Thread(target=slow_heads),
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    print(json.dumps(tally))
+
+
+def cpu_seconds(pid):
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def cpu(url, token, pid, n):
+    client = Client(url, token)
+    out = {}
+    for name, body in [("members_86k", members_body()), ("nested_100", deep_body()), ("flat_string", flat_body())]:
+        client.post("/sink", body)  # warm the connection and the pools
+        before = cpu_seconds(pid)
+        statuses = {client.post("/sink", body)[0] for _ in range(n)}
+        out[name] = {"gateway_cpu_ms": (cpu_seconds(pid) - before) / n * 1000, "bytes": len(body),
+                     "statuses": sorted(map(str, statuses))}
+    client.close()
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    verb, args = sys.argv[1], sys.argv[2:]
+    if verb == "serve-big":
+        serve_big(int(args[0]))
+    elif verb == "attack":
+        attack(args[0], args[1], float(args[2]))
+    elif verb == "cpu":
+        cpu(args[0], args[1], int(args[2]), int(args[3]) if len(args) > 3 else 20)
+    else:
+        sys.exit(__doc__)
