@@ -10,6 +10,7 @@
 //! - [`ports`]: the [`Ledger`] and [`Cache`] traits that the storage adapters implement.
 //! - [`engine`]: claim → execute → complete/release over those two.
 //! - [`local`]: a bounded in-process cache of completed responses over another cache.
+//! - [`reconcile`]: what the reconciler does with a key whose outcome is unknown.
 #![forbid(unsafe_code)]
 
 pub mod canonical;
@@ -20,6 +21,7 @@ pub mod key;
 pub mod local;
 pub mod policy;
 pub mod ports;
+pub mod reconcile;
 pub mod record;
 pub mod scope;
 
