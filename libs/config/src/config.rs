@@ -30,7 +30,7 @@
 //! | `idempotency.on_in_progress` | `reject` | or `wait` |
 //! | `idempotency.wait_timeout` | `5s` | longest wait for a concurrent attempt |
 //! | `idempotency.mismatch_status` | `409` | or `422` |
-//! | `reconciler.*` | | see [`ReconcilerConfig`] |
+//! | `reconciler.*` | | see [`ReconcilerConfig`] (`reconciler.release_confirm`: `30s`) |
 //! | `routes[]` | | see [`RawRoute`] |
 
 use std::net::SocketAddr;
@@ -176,6 +176,10 @@ pub struct ReconcilerConfig {
     /// The longest wait before a row whose probe failed (or that is held) is looked at again.
     #[serde(with = "humantime_serde")]
     pub max_backoff: Duration,
+    /// A probe's 404 releases a key only when a second 404 comes at least this long
+    /// after the first: an upstream may commit long after the gateway gave up.
+    #[serde(with = "humantime_serde")]
+    pub release_confirm: Duration,
     /// Expired rows deleted per purge statement.
     pub purge_batch: u32,
     /// The most time one pass spends purging.
@@ -192,6 +196,7 @@ impl Default for ReconcilerConfig {
             processing_lease: Duration::from_secs(120),
             concurrency: 16,
             max_backoff: Duration::from_secs(600),
+            release_confirm: Duration::from_secs(30),
             purge_batch: 1000,
             purge_budget: Duration::from_secs(2),
         }
@@ -365,11 +370,7 @@ fn yes() -> bool {
 }
 
 /// What the reconciler does with an unknown outcome on a route without a probe.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum OnUnknown {
-    Hold,
-    ReleaseAfter(Duration),
-}
+pub use idem_core::reconcile::OnUnknown;
 
 /// A status probe: `GET /payments/by-key/{key}`.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -499,6 +500,7 @@ impl RawConfig {
             ("reconciler.processing_lease", r.processing_lease.is_zero()),
             ("reconciler.concurrency", r.concurrency == 0),
             ("reconciler.max_backoff", r.max_backoff.is_zero()),
+            ("reconciler.release_confirm", r.release_confirm.is_zero()),
             ("reconciler.purge_batch", r.purge_batch == 0),
             ("reconciler.purge_budget", r.purge_budget.is_zero()),
         ] {
@@ -507,9 +509,10 @@ impl RawConfig {
             }
         }
         let defaults = self.idempotency.policy()?;
+        let ledger_op = self.postgres.acquire_timeout + self.postgres.statement_timeout;
         let mut routes = Vec::with_capacity(self.routes.len());
         for (i, raw) in self.routes.into_iter().enumerate() {
-            let route = raw.validate(&format!("routes[{i}]"), &defaults)?;
+            let route = raw.validate(&format!("routes[{i}]"), &defaults, ledger_op)?;
             if let Some(other) = routes.iter().position(|r: &Route| {
                 r.method == route.method && r.template.same_shape(&route.template)
             }) {
@@ -545,6 +548,7 @@ impl RawIdempotency {
             wait_timeout: self.wait_timeout,
             mismatch_status: self.mismatch_status,
             release_on: policy::default_release_statuses(),
+            probe: false,
             store_set_cookie: false,
         };
         check_policy("idempotency", &policy)?;
@@ -584,7 +588,14 @@ fn check_policy(at: &str, p: &Policy) -> Result<(), ConfigError> {
 }
 
 impl RawRoute {
-    fn validate(self, at: &str, defaults: &Policy) -> Result<Route, ConfigError> {
+    /// `ledger_op` is the longest one ledger call may take (a pooled connection, then
+    /// the statement): a completion sent at the upstream deadline must land within it.
+    fn validate(
+        self,
+        at: &str,
+        defaults: &Policy,
+        ledger_op: Duration,
+    ) -> Result<Route, ConfigError> {
         let method = http::Method::from_bytes(self.method.as_bytes())
             .ok()
             .filter(|m| m.as_str().bytes().all(|b| b.is_ascii_uppercase()))
@@ -616,6 +627,12 @@ impl RawRoute {
                 .map_err(|e| ConfigError::new(format!("{at}.on_in_progress"), e))?,
             None => defaults.on_in_progress,
         };
+        let probe = self
+            .probe
+            .as_deref()
+            .map(parse_probe)
+            .transpose()
+            .map_err(|e| ConfigError::new(format!("{at}.probe"), e))?;
         let release_on = match &self.release_on {
             Some(entries) => StatusSet::from_entries(
                 entries
@@ -633,24 +650,21 @@ impl RawRoute {
             wait_timeout: self.wait_timeout.unwrap_or(defaults.wait_timeout),
             mismatch_status: self.mismatch_status.unwrap_or(defaults.mismatch_status),
             release_on,
+            probe: probe.is_some(),
             store_set_cookie: self.store_set_cookie,
         };
         check_policy(at, &policy)?;
-        if self.idempotent && self.timeout >= policy.lease {
+        if self.idempotent && self.timeout + ledger_op >= policy.lease {
             return Err(ConfigError::new(
                 format!("{at}.timeout"),
                 format!(
-                    "must be shorter than the lease ({}), or the reconciler could act while the first attempt is still in flight",
+                    "{} plus the ledger's op timeout (postgres.acquire_timeout + postgres.statement_timeout = {}) must be shorter than the lease ({}), or the reconciler could act while the first attempt is still in flight or still recording its result",
+                    humantime::format_duration(self.timeout),
+                    humantime::format_duration(ledger_op),
                     humantime::format_duration(policy.lease)
                 ),
             ));
         }
-        let probe = self
-            .probe
-            .as_deref()
-            .map(parse_probe)
-            .transpose()
-            .map_err(|e| ConfigError::new(format!("{at}.probe"), e))?;
         let on_unknown = match self.on_unknown.as_deref() {
             None | Some("hold") => OnUnknown::Hold,
             Some(other) => match other.strip_prefix("release-after:") {
@@ -703,6 +717,7 @@ fn parse_probe(s: &str) -> Result<Probe, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use idem_core::Disposition;
 
     const BASE: &str = r#"
         [postgres]
@@ -741,6 +756,82 @@ mod tests {
         assert_eq!(route.timeout, Duration::from_secs(10));
         assert!(route.key_required);
         assert_eq!(route.on_unknown, OnUnknown::Hold);
+        assert_eq!(config.reconciler.release_confirm, Duration::from_secs(30));
+        // A 5xx proves nothing: kept where no probe can settle it, never released.
+        assert_eq!(route.policy.disposition(500), Disposition::Keep);
+        assert_eq!(route.policy.disposition(429), Disposition::Release);
+    }
+
+    #[test]
+    fn a_route_whose_timeout_and_ledger_call_outlast_its_lease_is_refused() {
+        // 10 s + 2 s + 5 s < 30 s: the defaults fit.
+        assert!(with(ROUTE).is_ok());
+        let tight = format!("[idempotency]\nlease = \"16s\"\n{ROUTE}");
+        let errors = with(&tight).expect_err("10 s + 7 s is not shorter than 16 s");
+        assert_eq!(errors.0[0].key, "routes[0].timeout");
+        assert!(
+            errors.0[0].message.contains("postgres.acquire_timeout"),
+            "{}",
+            errors.0[0].message
+        );
+        let faster = format!(
+            "[postgres]\nurl = \"postgres://x\"\nstatement_timeout = \"1s\"\n[auth]\nhs256_secret = \"dev-secret-123\"\n[idempotency]\nlease = \"16s\"\n{ROUTE}"
+        );
+        assert!(Config::from_toml(&faster).is_ok(), "10 s + 3 s < 16 s");
+        // A route that is not idempotent has no lease to outlast.
+        let plain = ROUTE.replace("idempotent = true", "idempotent = false");
+        assert!(with(&format!("[idempotency]\nlease = \"11s\"\n{plain}")).is_ok());
+    }
+
+    #[test]
+    fn the_limits_have_their_documented_defaults_and_bad_values_are_named() {
+        let config = with(&format!("[redis]\nurl = \"redis://a\"\n{ROUTE}")).unwrap();
+        let server = &config.server;
+        assert_eq!(
+            (
+                server.max_header_bytes,
+                server.max_headers,
+                server.max_concurrent_requests
+            ),
+            (16384, 100, 1024)
+        );
+        assert_eq!(server.header_read_timeout, Duration::from_secs(10));
+        assert_eq!(server.body_read_timeout, Duration::from_secs(30));
+        assert_eq!(config.redis.unwrap().local_cache_bytes, 64 << 20);
+        assert_eq!(config.routes.routes()[0].max_response_bytes, 10 << 20);
+        for (bad, key) in [
+            (
+                "[server]\nmax_header_bytes = 512",
+                "server.max_header_bytes",
+            ),
+            ("[server]\nmax_headers = 0", "server.max_headers"),
+            (
+                "[server]\nheader_read_timeout = \"0s\"",
+                "server.header_read_timeout",
+            ),
+            (
+                "[server]\nbody_read_timeout = \"soon\"",
+                "server.body_read_timeout",
+            ),
+            (
+                "[server]\nmax_concurrent_requests = 0",
+                "server.max_concurrent_requests",
+            ),
+            (
+                "[server]\nmax_concurrent_requests = -1",
+                "server.max_concurrent_requests",
+            ),
+        ] {
+            assert_eq!(error_key(bad), key, "{bad}");
+        }
+        assert_eq!(
+            error_key(&format!("{ROUTE}\nmax_response_bytes = 0")),
+            "routes[0].max_response_bytes"
+        );
+        assert_eq!(
+            error_key("[redis]\nurl = \"redis://a\"\nlocal_cache_bytes = 0"),
+            "redis.local_cache_bytes"
+        );
     }
 
     #[test]
@@ -834,7 +925,12 @@ mod tests {
             OnUnknown::ReleaseAfter(Duration::from_secs(600))
         );
         assert_eq!(route.probe.as_ref().unwrap().path, "/payments/by-key/{key}");
-        assert!(route.policy.keeps(429));
+        assert_eq!(route.policy.disposition(503), Disposition::Release);
+        assert_eq!(
+            route.policy.disposition(429),
+            Disposition::Keep,
+            "the list replaces the default"
+        );
     }
 
     #[test]

@@ -9,10 +9,12 @@
 
 use std::future::Future;
 use std::pin::pin;
-use std::time::{Duration, Instant};
+use std::time::Duration;
+
+use tokio::time::Instant;
 
 use crate::fingerprint::Fingerprint;
-use crate::policy::Policy;
+use crate::policy::{Disposition, Policy};
 use crate::ports::{
     Cache, CacheEntry, CacheProbe, Claim, ClaimResult, Fence, Ledger, LedgerError, NoCache,
 };
@@ -73,6 +75,10 @@ pub enum Outcome<R> {
     Executed { response: R, recorded: bool },
     /// The upstream answered with a status the route does not keep; the key is free.
     Released(R),
+    /// The upstream answered, but its answer proves nothing (a 5xx on a route with a
+    /// status probe): the first client gets it as it came, and the key is held for the
+    /// reconciler, which asks the upstream at once.
+    Uncertain(R),
     /// A completed operation's stored response.
     Replayed {
         response: StoredResponse,
@@ -108,7 +114,7 @@ impl<R> Outcome<R> {
             Outcome::Mismatch { .. } => "mismatch",
             Outcome::InProgress { .. } => "in_progress",
             Outcome::Released(_) | Outcome::UpstreamUnavailable => "released",
-            Outcome::Unknown(_) => "unknown",
+            Outcome::Unknown(_) | Outcome::Uncertain(_) => "unknown",
         }
     }
 }
@@ -126,6 +132,9 @@ const MAX_CLAIM_ROUNDS: usize = 3;
 const LOCK_TRUSTED_FOR: Duration = Duration::from_secs(1);
 /// The longest pause between ledger reads while waiting for another attempt.
 const MAX_POLL: Duration = Duration::from_millis(200);
+/// The first pause before a failed completion is repeated; it doubles up to the next.
+const FIRST_COMPLETION_RETRY: Duration = Duration::from_millis(25);
+const MAX_COMPLETION_RETRY: Duration = Duration::from_secs(1);
 
 /// A cached completed response answers a request: a replay if it is the same request,
 /// a mismatch otherwise.
@@ -227,6 +236,12 @@ impl<L: Ledger, C: Cache> Engine<L, C> {
             if !matches!(claimed, Ok(ClaimResult::Claimed)) && std::mem::take(&mut locked) {
                 self.cache.unlock(req.scope, attempt).await;
             }
+            if claimed.is_err() {
+                // The claim may have committed with only its reply lost. Nothing was
+                // executed, and the attempt token is this request's alone: free the row
+                // if it is ours, so the key is not held for a request that never ran.
+                self.release(req.scope, attempt).await;
+            }
             let record = match claimed? {
                 ClaimResult::Claimed => {
                     let execute = execute.take().expect("executed at most once");
@@ -325,60 +340,108 @@ impl<L: Ledger, C: Cache> Engine<L, C> {
         Fut: Future<Output = Execution<R>>,
     {
         let scope = req.scope;
-        let outcome = execute(attempt).await;
-        let attempt = attempt.id;
-        match outcome {
+        match execute(attempt).await {
             Execution::Responded {
                 stored,
                 passthrough,
-            } if req.policy.keeps(stored.status) => {
-                let committing = Instant::now();
-                match self
-                    .ledger
-                    .complete(scope, attempt, &stored, req.policy.ttl)
-                    .await
-                {
-                    Ok(Fence::Held) => {
-                        let entry = CacheEntry {
-                            fingerprint: *req.fingerprint,
-                            response: stored,
-                            trace_context: req.trace_context.map(str::to_owned),
-                        };
-                        // The row expires `ttl` after its commit, which came after `committing`.
-                        let ttl = req.policy.ttl.saturating_sub(committing.elapsed());
-                        self.cache.complete(scope, attempt, &entry, ttl).await;
-                        Outcome::Executed {
-                            response: passthrough,
-                            recorded: true,
-                        }
-                    }
-                    Ok(Fence::Lost) => {
-                        tracing::warn!(
-                            ?scope,
-                            "completion fenced out: the row was resolved by another party"
-                        );
-                        self.cache.unlock(scope, attempt).await;
-                        Outcome::Executed {
-                            response: passthrough,
-                            recorded: false,
-                        }
-                    }
-                    Err(error) => {
-                        tracing::error!(?scope, %error, "could not record a completed execution; the key stays in progress");
-                        Outcome::Unknown(UnknownCause::Ledger)
-                    }
+            } => match req.policy.disposition(stored.status) {
+                Disposition::Keep => self.record(req, attempt, stored, passthrough).await,
+                Disposition::Release => {
+                    self.release(scope, attempt.id).await;
+                    Outcome::Released(passthrough)
                 }
-            }
-            Execution::Responded { passthrough, .. } => {
-                self.release(scope, attempt).await;
-                Outcome::Released(passthrough)
-            }
+                Disposition::Uncertain => {
+                    self.hold(scope, attempt.id).await;
+                    Outcome::Uncertain(passthrough)
+                }
+            },
             Execution::NotSent => {
-                self.release(scope, attempt).await;
+                self.release(scope, attempt.id).await;
                 Outcome::UpstreamUnavailable
             }
             // The cache lock is left to expire with the lease: the ledger holds the key.
             Execution::Unknown => Outcome::Unknown(UnknownCause::Upstream),
+        }
+    }
+
+    /// Records a kept answer, then caches it. A completion that fails (pool exhausted,
+    /// connection cut, statement timeout) is repeated with backoff while the lease
+    /// lasts: fenced by the attempt, it is safe to repeat, and an answer the upstream
+    /// gave must not be thrown away for a passing fault.
+    async fn record<R>(
+        &self,
+        req: Request<'_>,
+        attempt: Attempt,
+        stored: StoredResponse,
+        passthrough: R,
+    ) -> Outcome<R> {
+        let scope = req.scope;
+        let mut pause = FIRST_COMPLETION_RETRY;
+        let (fence, committing) = loop {
+            let committing = Instant::now();
+            match self
+                .ledger
+                .complete(scope, attempt.id, &stored, req.policy.ttl)
+                .await
+            {
+                Ok(fence) => break (fence, committing),
+                Err(error) if Instant::now() + pause < attempt.deadline => {
+                    tracing::warn!(?scope, %error, retry_in = ?pause, "could not record the answer yet; repeating the completion within the lease");
+                    tokio::time::sleep(pause).await;
+                    pause = (pause * 2).min(MAX_COMPLETION_RETRY);
+                }
+                Err(error) => {
+                    tracing::error!(?scope, %error, "could not record a completed execution within its lease; the key stays held for the reconciler");
+                    return Outcome::Unknown(UnknownCause::Ledger);
+                }
+            }
+        };
+        match fence {
+            Fence::Held => {
+                let entry = CacheEntry {
+                    fingerprint: *req.fingerprint,
+                    response: stored,
+                    trace_context: req.trace_context.map(str::to_owned),
+                };
+                // The row expires `ttl` after its commit, which came after `committing`.
+                let ttl = req.policy.ttl.saturating_sub(committing.elapsed());
+                self.cache.complete(scope, attempt.id, &entry, ttl).await;
+                Outcome::Executed {
+                    response: passthrough,
+                    recorded: true,
+                }
+            }
+            Fence::Lost => {
+                tracing::warn!(
+                    ?scope,
+                    "completion fenced out: the row was resolved by another party"
+                );
+                self.cache.unlock(scope, attempt.id).await;
+                Outcome::Executed {
+                    response: passthrough,
+                    recorded: false,
+                }
+            }
+        }
+    }
+
+    /// Keeps the key in progress with its lease ended, so the reconciler probes it on
+    /// its next pass. The cache lock is left to expire: the ledger holds the key.
+    async fn hold(&self, scope: &Scope, attempt: AttemptId) {
+        match self.ledger.hold(scope, attempt).await {
+            Ok(Fence::Held) => {
+                tracing::warn!(
+                    ?scope,
+                    "uncertain answer: key held for the reconciler's probe"
+                )
+            }
+            Ok(Fence::Lost) => tracing::warn!(
+                ?scope,
+                "hold fenced out: the row was resolved by another party"
+            ),
+            Err(error) => {
+                tracing::error!(?scope, %error, "could not mark an uncertain key for a probe; the reconciler takes it when its lease runs out")
+            }
         }
     }
 

@@ -5,7 +5,8 @@
 //! - [`canonical`] and [`fingerprint`]: when two requests are "the same request".
 //! - [`scope`]: `(tenant, endpoint, key)`, the unit of exactly-once.
 //! - [`record`]: what the ledger stores per scope, and the attempt's fencing token.
-//! - [`policy`]: per-route TTL, lease, wait and keep/release rules.
+//! - [`policy`]: per-route TTL, lease, wait, and what an upstream answer means
+//!   ([`policy::Disposition`]: keep, release or uncertain).
 //! - [`headers`]: which response headers are replayed.
 //! - [`ports`]: the [`Ledger`] and [`Cache`] traits that the storage adapters implement.
 //! - [`engine`]: claim → execute → complete/release over those two.
@@ -28,7 +29,7 @@ pub mod scope;
 pub use engine::{Attempt, Engine, Execution, Outcome, Request, UnknownCause};
 pub use fingerprint::{BodyKind, Fingerprint};
 pub use key::{IdempotencyKey, KeyError};
-pub use policy::{OnInProgress, Policy, StatusSet};
+pub use policy::{Disposition, OnInProgress, Policy, StatusSet};
 pub use ports::{
     Cache, CacheEntry, CacheProbe, Claim, ClaimResult, Fence, Ledger, LedgerError, MaybeCache,
     NoCache,

@@ -83,16 +83,28 @@ pub enum StatusEntry {
     Code(u16),
 }
 
-/// The statuses released by default: the upstream says it did not (or could not)
-/// act, so a retry may execute: every 5xx, 408 Request Timeout, 425 Too Early and
-/// 429 Too Many Requests.
+/// The statuses released by default: by HTTP's own semantics the upstream did not
+/// process the request, so a retry may execute: 408 Request Timeout, 425 Too Early and
+/// 429 Too Many Requests. A 5xx is not among them: it proves nothing (a sidecar's 504
+/// after the service committed, an application's 500 raised after its commit).
 pub fn default_release_statuses() -> StatusSet {
     StatusSet::from_entries([
-        StatusEntry::Class(5),
         StatusEntry::Code(408),
         StatusEntry::Code(425),
         StatusEntry::Code(429),
     ])
+}
+
+/// What an upstream answer means for its key (DESIGN §2 steps 7 to 9).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Disposition {
+    /// Store it; every retry replays it.
+    Keep,
+    /// The upstream provably did nothing: free the key so a retry may execute.
+    Release,
+    /// The upstream may have acted (a 5xx on a route with a status probe): hold the key
+    /// and have the reconciler ask the upstream at once.
+    Uncertain,
 }
 
 /// The policy of one idempotent route, with `[idempotency]` defaults already applied.
@@ -110,14 +122,24 @@ pub struct Policy {
     pub mismatch_status: u16,
     /// Upstream statuses after which the key is released instead of kept.
     pub release_on: StatusSet,
+    /// Whether the route has a status probe the reconciler can ask.
+    pub probe: bool,
     /// Whether `Set-Cookie` is stored and replayed.
     pub store_set_cookie: bool,
 }
 
 impl Policy {
-    /// Whether an upstream answer with `status` is stored and replayed.
-    pub fn keeps(&self, status: u16) -> bool {
-        !self.release_on.contains(status)
+    /// What an upstream answer with `status` means for its key: released if the route
+    /// lists it in `release_on`; else a 5xx is uncertain where a probe can settle it and
+    /// kept (stored and replayed, Stripe's rule) where none can; anything else is kept.
+    pub fn disposition(&self, status: u16) -> Disposition {
+        if self.release_on.contains(status) {
+            Disposition::Release
+        } else if (500..600).contains(&status) && self.probe {
+            Disposition::Uncertain
+        } else {
+            Disposition::Keep
+        }
     }
 
     /// How long a retry waits for the first attempt: the client's `Prefer: wait=N`
@@ -144,18 +166,57 @@ mod tests {
             wait_timeout: Duration::from_secs(5),
             mismatch_status: 409,
             release_on: default_release_statuses(),
+            probe: false,
             store_set_cookie: false,
         }
     }
 
     #[test]
-    fn keeps_successes_and_client_errors_releases_the_rest() {
+    fn only_statuses_that_mean_not_processed_release_by_default() {
         let p = policy();
-        for kept in [200, 201, 204, 302, 400, 404, 409, 422] {
-            assert!(p.keeps(kept), "{kept}");
+        for released in [408, 425, 429] {
+            assert_eq!(p.disposition(released), Disposition::Release, "{released}");
         }
-        for released in [408, 425, 429, 500, 502, 503, 504, 599] {
-            assert!(!p.keeps(released), "{released}");
+        for kept in [
+            200, 201, 204, 302, 400, 404, 409, 422, 500, 502, 503, 504, 599,
+        ] {
+            assert_eq!(p.disposition(kept), Disposition::Keep, "{kept}");
+        }
+    }
+
+    #[test]
+    fn a_5xx_is_uncertain_where_a_probe_can_settle_it() {
+        let p = Policy {
+            probe: true,
+            ..policy()
+        };
+        for uncertain in [500, 502, 503, 504, 599] {
+            assert_eq!(
+                p.disposition(uncertain),
+                Disposition::Uncertain,
+                "{uncertain}"
+            );
+        }
+        for kept in [200, 201, 400, 404, 499] {
+            assert_eq!(p.disposition(kept), Disposition::Keep, "{kept}");
+        }
+        assert_eq!(p.disposition(429), Disposition::Release);
+    }
+
+    #[test]
+    fn release_on_5xx_is_an_opt_in_that_wins_over_the_probe() {
+        for probe in [false, true] {
+            let p = Policy {
+                probe,
+                release_on: StatusSet::from_entries([StatusEntry::Class(5)]),
+                ..policy()
+            };
+            assert_eq!(p.disposition(503), Disposition::Release);
+            assert_eq!(
+                p.disposition(429),
+                Disposition::Keep,
+                "the list replaces the default"
+            );
         }
     }
 

@@ -52,13 +52,14 @@ pub enum Fence {
 /// may execute.
 pub trait Ledger: Send + Sync {
     /// Atomically claims the scope for `claim.attempt`, or returns the existing record.
-    /// A record past its expiry behaves as absent: it is taken over by the claim.
+    /// A completed record past its expiry behaves as absent: it is taken over by the
+    /// claim. An in-progress record never expires.
     fn claim(
         &self,
         claim: &Claim<'_>,
     ) -> impl Future<Output = Result<ClaimResult, LedgerError>> + Send;
 
-    /// Reads the live record of a scope (an expired one is `None`).
+    /// Reads the live record of a scope (an expired completed one is `None`).
     fn get(
         &self,
         scope: &Scope,
@@ -75,6 +76,14 @@ pub trait Ledger: Send + Sync {
 
     /// Deletes an in-progress record so a retry may execute, fenced by `attempt`.
     fn release(
+        &self,
+        scope: &Scope,
+        attempt: AttemptId,
+    ) -> impl Future<Output = Result<Fence, LedgerError>> + Send;
+
+    /// Ends `attempt`'s lease now, keeping the record in progress: the upstream may
+    /// have acted (an uncertain answer), so the reconciler is to ask it at once.
+    fn hold(
         &self,
         scope: &Scope,
         attempt: AttemptId,

@@ -55,7 +55,8 @@ impl StoredResponse {
 /// Where an operation stands.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum RecordState {
-    /// An attempt owns the operation. `lease_expired` is judged by the ledger's clock.
+    /// An attempt owns the operation. `lease_expired` (judged by the ledger's clock): its
+    /// lease is over, or the key was ever held for the reconciler: the outcome is unknown.
     InProgress {
         lease_expired: bool,
     },

@@ -17,6 +17,11 @@ use idem_core::{
 struct MemLedger {
     rows: Arc<Mutex<HashMap<Scope, Record>>>,
     fail_complete: Arc<AtomicBool>,
+    /// Completions that fail before they start succeeding.
+    failing_completes: Arc<AtomicUsize>,
+    completes: Arc<AtomicUsize>,
+    /// The next claim commits, but its reply is lost.
+    lose_claim_reply: Arc<AtomicBool>,
     claims: Arc<AtomicUsize>,
 }
 
@@ -48,6 +53,9 @@ impl Ledger for MemLedger {
                 expires_in: Some(c.ttl),
             },
         );
+        if self.lose_claim_reply.swap(false, Ordering::SeqCst) {
+            return Err(LedgerError::new(Down));
+        }
         Ok(ClaimResult::Claimed)
     }
 
@@ -62,7 +70,13 @@ impl Ledger for MemLedger {
         response: &StoredResponse,
         _: Duration,
     ) -> Result<Fence, LedgerError> {
-        if self.fail_complete.load(Ordering::SeqCst) {
+        self.completes.fetch_add(1, Ordering::SeqCst);
+        if self.fail_complete.load(Ordering::SeqCst)
+            || self
+                .failing_completes
+                .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+                .is_ok()
+        {
             return Err(LedgerError::new(Down));
         }
         let mut rows = self.rows.lock().unwrap();
@@ -88,6 +102,22 @@ impl Ledger for MemLedger {
             _ => Ok(Fence::Lost),
         }
     }
+
+    async fn hold(&self, scope: &Scope, attempt: AttemptId) -> Result<Fence, LedgerError> {
+        let mut rows = self.rows.lock().unwrap();
+        match rows.get_mut(scope) {
+            Some(row)
+                if row.attempt == attempt
+                    && matches!(row.state, RecordState::InProgress { .. }) =>
+            {
+                row.state = RecordState::InProgress {
+                    lease_expired: true,
+                };
+                Ok(Fence::Held)
+            }
+            _ => Ok(Fence::Lost),
+        }
+    }
 }
 
 fn policy() -> Policy {
@@ -98,6 +128,7 @@ fn policy() -> Policy {
         wait_timeout: Duration::from_secs(2),
         mismatch_status: 409,
         release_on: default_release_statuses(),
+        probe: false,
         store_set_cookie: false,
     }
 }
@@ -135,14 +166,24 @@ async fn run(
     wait: Option<Duration>,
     result: Execution<u16>,
 ) -> (Outcome<u16>, bool) {
+    run_under(engine, &policy(), body, wait, result).await
+}
+
+/// [`run`] under another route policy.
+async fn run_under(
+    engine: &Engine<MemLedger>,
+    policy: &Policy,
+    body: &str,
+    wait: Option<Duration>,
+    result: Execution<u16>,
+) -> (Outcome<u16>, bool) {
     let scope = scope();
     let fingerprint = fp(body);
-    let policy = policy();
     let executed = AtomicBool::new(false);
     let req = Request {
         scope: &scope,
         fingerprint: &fingerprint,
-        policy: &policy,
+        policy,
         wait,
         trace_context: Some("00-trace-first"),
     };
@@ -222,20 +263,85 @@ async fn in_progress_asks_to_retry_soon_or_later_once_the_lease_ran_out() {
 }
 
 #[tokio::test]
-async fn statuses_not_kept_release_the_key_so_a_retry_executes() {
+async fn only_statuses_that_mean_not_processed_release_the_key() {
     let ledger = MemLedger::default();
     let engine = Engine::new(ledger.clone());
-    for status in [500, 503, 429, 408] {
+    for status in [429, 408, 425] {
         let (outcome, ran) = run(&engine, "{}", None, answered(status, "no")).await;
         assert!(ran);
         assert!(matches!(outcome, Outcome::Released(s) if s == status));
         assert!(ledger.rows.lock().unwrap().is_empty(), "{status} released");
     }
-    let (outcome, _) = run(&engine, "{}", None, answered(422, "invalid")).await;
+    for status in [422, 500, 503] {
+        ledger.rows.lock().unwrap().clear();
+        let (outcome, _) = run(&engine, "{}", None, answered(status, "kept")).await;
+        assert!(
+            matches!(outcome, Outcome::Executed { recorded: true, .. }),
+            "{status} is kept and replayed (no probe could settle it)"
+        );
+    }
+}
+
+#[tokio::test]
+async fn a_5xx_on_a_probed_route_is_uncertain_and_held_for_the_reconciler() {
+    let ledger = MemLedger::default();
+    let engine = Engine::new(ledger.clone());
+    let probed = Policy {
+        probe: true,
+        ..policy()
+    };
+    let (outcome, _) = run_under(&engine, &probed, "{}", None, answered(502, "bad gateway")).await;
+    assert!(matches!(outcome, Outcome::Uncertain(502)));
+    assert_eq!(outcome.name(), "unknown");
+    let (retry, ran) = run_under(&engine, &probed, "{}", None, answered(201, "paid")).await;
+    assert!(!ran, "never executed again");
     assert!(
-        matches!(outcome, Outcome::Executed { .. }),
-        "4xx answers are kept"
+        matches!(
+            retry,
+            Outcome::InProgress {
+                outcome_unknown: true,
+                ..
+            }
+        ),
+        "held, its lease ended for an immediate probe: {retry:?}"
     );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_completion_that_fails_is_repeated_within_the_lease() {
+    let ledger = MemLedger::default();
+    ledger.failing_completes.store(3, Ordering::SeqCst);
+    let engine = Engine::new(ledger.clone());
+    let (outcome, _) = run(&engine, "{}", None, answered(201, "paid")).await;
+    assert!(matches!(outcome, Outcome::Executed { recorded: true, .. }));
+    assert_eq!(ledger.completes.load(Ordering::SeqCst), 4);
+    let (replay, ran) = run(&engine, "{}", None, answered(201, "again")).await;
+    assert!(!ran);
+    assert!(matches!(replay, Outcome::Replayed { .. }));
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_claim_whose_reply_was_lost_is_released_not_held_for_good() {
+    let ledger = MemLedger::default();
+    ledger.lose_claim_reply.store(true, Ordering::SeqCst);
+    let engine = Engine::new(ledger.clone());
+    let (scope, fingerprint, policy) = (scope(), fp("{}"), policy());
+    let req = Request {
+        scope: &scope,
+        fingerprint: &fingerprint,
+        policy: &policy,
+        wait: None,
+        trace_context: None,
+    };
+    let failed = engine.run(req, |_| async { answered(201, "paid") }).await;
+    assert!(failed.is_err(), "the client is told the ledger failed");
+    assert!(
+        ledger.rows.lock().unwrap().is_empty(),
+        "the row the lost reply left behind is released"
+    );
+    let (outcome, ran) = run(&engine, "{}", None, answered(201, "paid")).await;
+    assert!(ran, "nothing ran before, so the retry executes");
+    assert!(matches!(outcome, Outcome::Executed { .. }));
 }
 
 #[tokio::test]
@@ -255,7 +361,7 @@ async fn not_sent_releases_and_unknown_holds() {
     ));
 }
 
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn a_result_that_cannot_be_recorded_is_not_shown_and_the_key_stays_held() {
     let ledger = MemLedger::default();
     ledger.fail_complete.store(true, Ordering::SeqCst);

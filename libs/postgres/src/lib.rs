@@ -1,18 +1,16 @@
 //! `idem-postgres`: the durable ledger of idempotency records, on Postgres.
 //!
 //! # Layout
-//! - [`ledger`]: [`PgLedger`], the engine's [`idem_core::Ledger`] (claim, read,
-//!   complete, release — each one atomic statement).
-//! - [`reconcile`]: the reconciler's statements (stuck claims, fenced resolution, purge).
-//! - [`admin`]: operator access to one key.
+//! - [`ledger`]: [`PgLedger`] and the `idempotency_keys` row: every statement the
+//!   gateway (the engine's [`idem_core::Ledger`]), the reconciler and `idemgate keys`
+//!   run on it, each one atomic, bounded and traced, with the row's states and
+//!   transitions tabled at the top.
 //! - [`headers`]: how response headers are stored, byte for byte.
 //! - [`connect`] and [`migrate`]: the pool and the embedded migrations of `migrations/`.
 #![forbid(unsafe_code)]
 
-pub mod admin;
 pub mod headers;
 pub mod ledger;
-pub mod reconcile;
 
 use std::str::FromStr;
 use std::time::Duration;
@@ -20,7 +18,7 @@ use std::time::Duration;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::{Connection, PgPool};
 
-pub use ledger::PgLedger;
+pub use ledger::{KeyInfo, Later, PgLedger, StuckRow};
 
 /// The schema, embedded from the workspace's `migrations/` at build time.
 pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("../../migrations");

@@ -7,7 +7,7 @@ use idem_core::{
     AttemptId, BodyKind, Claim, ClaimResult, Fence, Fingerprint, IdempotencyKey, Ledger,
     RecordState, Scope, StoredResponse,
 };
-use idem_postgres::{PgLedger, reconcile};
+use idem_postgres::PgLedger;
 use idem_testkit::TestDb;
 
 fn scope(key: &str) -> Scope {
@@ -57,19 +57,16 @@ async fn a_completion_after_the_reconciler_resolved_the_row_is_fenced_out() {
     assert!(matches!(claimed, ClaimResult::Claimed));
     tokio::time::sleep(Duration::from_millis(20)).await;
 
-    let stuck = reconcile::take_stuck(ledger.pool(), 10, Duration::from_secs(30))
+    let stuck = ledger
+        .take_stuck(10, Duration::from_secs(30))
         .await
         .unwrap();
     assert_eq!(stuck.len(), 1);
     assert_eq!(stuck[0].attempt, attempt);
-    let fence = reconcile::complete(
-        ledger.pool(),
-        &stuck[0],
-        &response("probe"),
-        Duration::from_secs(60),
-    )
-    .await
-    .unwrap();
+    let fence = ledger
+        .resolve(&stuck[0], &response("probe"), Duration::from_secs(60))
+        .await
+        .unwrap();
     assert_eq!(fence, Fence::Held);
 
     // The original attempt wakes up and tries to complete and to release: both lose.
@@ -93,7 +90,8 @@ async fn a_resolution_after_the_gateway_finished_changes_nothing() {
     let scope = scope("raced");
     let (attempt, _) = claim(&ledger, &scope, Duration::from_millis(1)).await;
     tokio::time::sleep(Duration::from_millis(20)).await;
-    let stuck = reconcile::take_stuck(ledger.pool(), 10, Duration::from_secs(30))
+    let stuck = ledger
+        .take_stuck(10, Duration::from_secs(30))
         .await
         .unwrap();
     // The gateway completes between the reconciler's take and its resolution.
@@ -105,18 +103,17 @@ async fn a_resolution_after_the_gateway_finished_changes_nothing() {
         Fence::Held
     );
     assert_eq!(
-        reconcile::release(ledger.pool(), &stuck[0]).await.unwrap(),
+        ledger
+            .release_attempt(&stuck[0].scope, Some(stuck[0].attempt))
+            .await
+            .unwrap(),
         Fence::Lost
     );
     assert_eq!(
-        reconcile::complete(
-            ledger.pool(),
-            &stuck[0],
-            &response("probe"),
-            Duration::from_secs(60)
-        )
-        .await
-        .unwrap(),
+        ledger
+            .resolve(&stuck[0], &response("probe"), Duration::from_secs(60))
+            .await
+            .unwrap(),
         Fence::Lost
     );
     let record = ledger.get(&scope).await.unwrap().unwrap();
@@ -129,15 +126,18 @@ async fn a_taken_row_is_invisible_to_other_reconcilers_until_its_processing_leas
     let ledger = ledger(&db).await;
     claim(&ledger, &scope("taken"), Duration::from_millis(1)).await;
     tokio::time::sleep(Duration::from_millis(20)).await;
-    let first = reconcile::take_stuck(ledger.pool(), 10, Duration::from_millis(300))
+    let first = ledger
+        .take_stuck(10, Duration::from_millis(300))
         .await
         .unwrap();
-    let second = reconcile::take_stuck(ledger.pool(), 10, Duration::from_millis(300))
+    let second = ledger
+        .take_stuck(10, Duration::from_millis(300))
         .await
         .unwrap();
     assert_eq!((first.len(), second.len()), (1, 0));
     tokio::time::sleep(Duration::from_millis(400)).await;
-    let later = reconcile::take_stuck(ledger.pool(), 10, Duration::from_millis(300))
+    let later = ledger
+        .take_stuck(10, Duration::from_millis(300))
         .await
         .unwrap();
     assert_eq!(
@@ -168,7 +168,8 @@ async fn a_live_claim_is_not_taken_over_and_the_claim_reads_the_existing_row() {
         ClaimResult::Claimed => panic!("a live claim must not be taken over"),
     }
     assert!(
-        reconcile::take_stuck(ledger.pool(), 10, Duration::from_secs(30))
+        ledger
+            .take_stuck(10, Duration::from_secs(30))
             .await
             .unwrap()
             .is_empty()
@@ -258,4 +259,60 @@ async fn a_connection_that_stored_a_large_body_is_closed_after_use() {
         first,
         "the large body's connection was closed"
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_in_progress_row_never_expires_and_is_never_purged() {
+    let db = TestDb::create().await;
+    let ledger = ledger(&db).await;
+    let scope = scope("held");
+    let (attempt, _) = claim(&ledger, &scope, Duration::from_millis(1)).await;
+    let mut conn = db.connect().await;
+    sqlx::query("UPDATE idempotency_keys SET expires_at = now() - interval '1 day'")
+        .execute(&mut conn)
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    assert_eq!(ledger.purge_batch(100).await.unwrap(), 0);
+    let (_, again) = claim(&ledger, &scope, Duration::from_secs(30)).await;
+    match again {
+        ClaimResult::Existing(record) => assert_eq!(record.attempt, attempt),
+        ClaimResult::Claimed => panic!("an in-progress row past its TTL was taken over"),
+    }
+    assert!(ledger.get(&scope).await.unwrap().is_some());
+    assert_eq!(ledger.count_held().await.unwrap(), 1);
+    assert_eq!(
+        ledger
+            .take_stuck(10, Duration::from_secs(30))
+            .await
+            .unwrap()
+            .len(),
+        1
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hold_ends_the_lease_at_once_and_is_fenced() {
+    let db = TestDb::create().await;
+    let ledger = ledger(&db).await;
+    let scope = scope("uncertain");
+    let (attempt, _) = claim(&ledger, &scope, Duration::from_secs(300)).await;
+    assert!(
+        ledger
+            .take_stuck(10, Duration::from_secs(30))
+            .await
+            .unwrap()
+            .is_empty()
+    );
+    assert_eq!(
+        ledger.hold(&scope, AttemptId::random()).await.unwrap(),
+        Fence::Lost
+    );
+    assert_eq!(ledger.hold(&scope, attempt).await.unwrap(), Fence::Held);
+    let taken = ledger
+        .take_stuck(10, Duration::from_secs(30))
+        .await
+        .unwrap();
+    assert_eq!(taken.len(), 1, "probed at once, not after the 300 s lease");
+    assert_eq!(ledger.count_held().await.unwrap(), 1);
 }

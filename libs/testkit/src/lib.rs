@@ -308,6 +308,21 @@ pub fn config_toml(db: &TestDb, extra: &str) -> String {
 /// [`config_toml`] with `server` as the `[server]` keys beyond the listener (instead
 /// of the 4 KiB body limit).
 pub fn config_toml_with(db: &TestDb, server: &str, extra: &str) -> String {
+    config_toml_parts(db, server, "", extra)
+}
+
+/// The ledger's limits in tests: a route's timeout plus these two must be shorter than
+/// its lease (DESIGN §6), and tests use leases of a few seconds.
+const TEST_POSTGRES: &str = "acquire_timeout = \"1s\"\nstatement_timeout = \"1s\"";
+
+/// [`config_toml_with`] with `postgres` as `[postgres]` keys beyond the URL and pool
+/// size (in place of the tests' default one-second timeouts).
+pub fn config_toml_parts(db: &TestDb, server: &str, postgres: &str, extra: &str) -> String {
+    let postgres = if postgres.is_empty() {
+        TEST_POSTGRES
+    } else {
+        postgres
+    };
     format!(
         r#"
         [server]
@@ -317,6 +332,7 @@ pub fn config_toml_with(db: &TestDb, server: &str, extra: &str) -> String {
         [postgres]
         url = "{url}"
         max_connections = 8
+        {postgres}
         [auth]
         hs256_secret = "{SECRET}"
         {extra}

@@ -4,7 +4,7 @@
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use axum::body::Body;
 use axum::extract::State;
@@ -19,6 +19,7 @@ use idem_telemetry::metrics::{counter, gauge, histogram};
 use idem_telemetry::propagation;
 use idem_upstream::headers::{self as h};
 use idem_upstream::{self as upstream, Forwarded};
+use tokio::time::Instant;
 use tracing::field::Empty;
 use tracing::{Instrument, Span};
 

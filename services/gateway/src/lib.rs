@@ -9,6 +9,7 @@
 //! - [`problem`]: every error response, as `application/problem+json`.
 //! - [`server`]: the listener; connection-level limits (head timeout, hard head caps).
 //! - [`limits`]: per-request limits (head size, requests in flight), as middleware.
+//! - [`operator`]: what `idemgate keys` prints about a key.
 //!
 //! Configuration and routes live in `idem-config`, the upstream client and header rules
 //! in `idem-upstream`, both shared with the reconciler.
@@ -18,6 +19,7 @@ pub mod app;
 pub mod extract;
 pub mod handler;
 pub mod limits;
+pub mod operator;
 pub mod problem;
 pub mod respond;
 pub mod server;

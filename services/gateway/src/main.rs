@@ -27,8 +27,14 @@ struct Cli {
 
 #[derive(Debug, clap::Args)]
 struct ConfigArg {
-    /// The TOML config file (IDEMGATE_<SECTION>__<KEY> variables override it).
-    #[arg(long, env = "IDEMGATE_CONFIG", default_value = "idemgate.toml")]
+    /// The TOML config file (IDEMGATE_<SECTION>__<KEY> variables override it). Given
+    /// before or after a subcommand: `keys --config F show …` = `keys show --config F …`.
+    #[arg(
+        long,
+        env = "IDEMGATE_CONFIG",
+        default_value = "idemgate.toml",
+        global = true
+    )]
     config: PathBuf,
 }
 
@@ -52,7 +58,8 @@ enum Command {
         #[command(flatten)]
         config: ConfigArg,
     },
-    /// Inspect or release one key (operators: a stuck key whose outcome you established).
+    /// Inspect keys, list the held ones, or release one (operators: a held key whose
+    /// outcome you established).
     Keys {
         #[command(flatten)]
         config: ConfigArg,
@@ -75,10 +82,34 @@ enum Command {
 #[derive(Debug, Subcommand)]
 enum KeysAction {
     /// Print a key's record (never its stored body).
-    Show(KeyArgs),
+    Show {
+        #[command(flatten)]
+        key: KeyArgs,
+        /// One JSON object instead of text.
+        #[arg(long)]
+        json: bool,
+    },
+    /// List keys that wait on a probe, a policy or a person, oldest first.
+    List {
+        /// Only held keys (in progress, lease over): the only listing there is, for now.
+        #[arg(long, required = true)]
+        held: bool,
+        /// At most this many.
+        #[arg(long, default_value_t = 100)]
+        limit: i64,
+        /// One JSON object per line instead of text.
+        #[arg(long)]
+        json: bool,
+    },
     /// Release an in-progress key so the next request executes. Do this only once you
     /// know the upstream did not act (or you accept that it may act again).
-    Release(KeyArgs),
+    Release {
+        #[command(flatten)]
+        key: KeyArgs,
+        /// Why, for the log line every release writes (with who ran it).
+        #[arg(long)]
+        reason: String,
+    },
 }
 
 #[derive(Debug, clap::Args)]
@@ -140,29 +171,62 @@ async fn run(command: Command) -> anyhow::Result<()> {
         }
         Command::Keys { config, action } => {
             let config = load(&config.config)?;
-            let pool = admin_pool(&config).await?;
+            let ledger = idem_postgres::PgLedger::new(admin_pool(&config).await?, ADMIN_TIMEOUT);
             match action {
-                KeysAction::Show(args) => {
-                    let scope = args.scope()?;
-                    let info = idem_postgres::admin::show(&pool, &scope)
-                        .await?
-                        .with_context(|| format!("no record for {scope:?}"))?;
-                    println!("{info:#?}");
+                KeysAction::Show { key, json } => {
+                    let scope = key.scope()?;
+                    let info = ledger.show(&scope).await?.with_context(|| {
+                        format!(
+                            "no record for {} {:?} {}",
+                            scope.tenant, scope.endpoint, scope.key
+                        )
+                    })?;
+                    if json {
+                        println!("{}", idemgate::operator::to_json(&info));
+                    } else {
+                        print!("{}", idemgate::operator::describe(&info));
+                    }
                     Ok(())
                 }
-                KeysAction::Release(args) => {
-                    let scope = args.scope()?;
+                KeysAction::List {
+                    held: _,
+                    limit,
+                    json,
+                } => {
+                    for info in ledger.list_held(limit).await? {
+                        if json {
+                            println!("{}", idemgate::operator::to_json(&info));
+                        } else {
+                            println!("{}", idemgate::operator::held_line(&info));
+                        }
+                    }
+                    Ok(())
+                }
+                KeysAction::Release { key, reason } => {
+                    let scope = key.scope()?;
                     if config.routes.by_endpoint(&scope.endpoint).is_none() {
                         tracing::warn!(endpoint = %scope.endpoint, "no configured route has this endpoint");
                     }
-                    if idem_postgres::admin::release(&pool, &scope).await? {
-                        tracing::warn!(?scope, "key released by an operator");
-                        println!("released");
-                        Ok(())
-                    } else {
-                        anyhow::bail!(
-                            "no in-progress record for {scope:?} (completed keys are not released)"
-                        )
+                    let by = std::env::var("USER").unwrap_or_else(|_| "unknown".into());
+                    match ledger.release_attempt(&scope, None).await? {
+                        idem_core::Fence::Held => {
+                            tracing::warn!(
+                                tenant.id = %scope.tenant,
+                                idempotency.endpoint = %scope.endpoint,
+                                idempotency.key = %scope.key,
+                                operator = %by,
+                                %reason,
+                                "key released by an operator"
+                            );
+                            println!("released");
+                            Ok(())
+                        }
+                        idem_core::Fence::Lost => anyhow::bail!(
+                            "no in-progress record for {} {:?} {} (completed keys are not released)",
+                            scope.tenant,
+                            scope.endpoint,
+                            scope.key
+                        ),
                     }
                 }
             }
@@ -207,6 +271,9 @@ async fn run(command: Command) -> anyhow::Result<()> {
     }
 }
 
+/// The longest one administrative statement may take.
+const ADMIN_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(600);
+
 /// A one-connection pool for the administrative commands.
 async fn admin_pool(config: &Config) -> anyhow::Result<sqlx::PgPool> {
     idem_postgres::connect(
@@ -214,7 +281,7 @@ async fn admin_pool(config: &Config) -> anyhow::Result<sqlx::PgPool> {
         &idem_postgres::PoolSettings {
             max_connections: 1,
             acquire_timeout: config.postgres.acquire_timeout,
-            statement_timeout: std::time::Duration::from_secs(600),
+            statement_timeout: ADMIN_TIMEOUT,
             application_name: "idemgate-admin".into(),
         },
     )

@@ -26,7 +26,9 @@ pub fn respond(
         }
     };
     match outcome {
-        Outcome::Executed { response, .. } | Outcome::Released(response) => passthrough(response),
+        Outcome::Executed { response, .. }
+        | Outcome::Released(response)
+        | Outcome::Uncertain(response) => passthrough(response),
         Outcome::Replayed {
             response, waited, ..
         } => {

@@ -615,9 +615,11 @@ async fn idempotency_problems_say_where_the_operation_stands() {
         .unwrap();
     let extra = format!(
         "{}\n[[routes]]\nmethod = \"POST\"\npath = \"/down\"\nupstream = \"http://{closed}\"\nidempotent = true\ntimeout = \"5s\"",
-        payments_routes(&demo, "timeout = \"1s\"\nlease = \"2s\"")
+        payments_routes(&demo, "timeout = \"1s\"\nlease = \"3s\"")
     );
-    let gw = gateway(&db, "", &extra).await;
+    // 1 s + 0.5 s + 1 s < the 3 s lease.
+    let postgres = "acquire_timeout = \"500ms\"\nstatement_timeout = \"1s\"";
+    let gw = GatewayProcess::start(&config_toml_parts(&db, "", postgres, &extra)).await;
     let http = Http::default();
     let state = |answer: &Answer| {
         let json = answer.json();
@@ -657,7 +659,7 @@ async fn idempotency_problems_say_where_the_operation_stands() {
         owned("upstream-timeout", "unknown", false)
     );
     // Past the lease, with no reconciler running, the outcome is still unknown.
-    tokio::time::sleep(Duration::from_millis(1200)).await;
+    tokio::time::sleep(Duration::from_millis(2200)).await;
     let retry = http
         .pay(&gw.url("/payments"), "acme", &lost, &payment("o", 1))
         .send()

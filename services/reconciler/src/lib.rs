@@ -1,12 +1,14 @@
 //! `idemgate-reconciler`: resolves claims whose outcome is unknown and purges expired keys.
 //!
-//! A pass (1) takes stuck rows — `in_progress` past their lease — in batches, `FOR UPDATE
-//! SKIP LOCKED` with a processing lease, so any number of reconcilers cooperate and each
-//! row is probed once per pass; (2) resolves each one (see [`resolve`]): a status probe's
-//! 2xx completes it with the upstream's real answer, a 404 releases it, anything else
-//! leaves it for later with backoff; without a probe, the route's `on_unknown` policy
-//! holds it for an operator or releases it after a set time; (3) purges expired rows in
-//! small batches within a time budget.
+//! A pass (1) takes stuck rows — `in_progress` past their lease, or ended at once by an
+//! uncertain 5xx — in batches, `FOR UPDATE SKIP LOCKED` with a processing lease, so any
+//! number of reconcilers cooperate and each row is probed once per pass; (2) resolves
+//! each one (see [`resolve`]) as [`idem_core::reconcile::decide`] says: a status probe's
+//! 2xx completes it with the upstream's real answer, two 404s `release_confirm` apart
+//! release it, anything else leaves it for later with backoff; without a probe, the
+//! route's `on_unknown` policy holds it for an operator or releases it after a set time;
+//! (3) purges expired completed rows in small batches within a time budget (a held key
+//! never lapses); (4) counts the held keys for the `idemgate_held_keys` gauge.
 //!
 //! # Layout
 //! - [`resolve`]: one stuck row.
@@ -26,16 +28,15 @@ use axum::extract::State;
 use axum::routing::get;
 use futures_util::StreamExt;
 use idem_config::Config;
-use idem_postgres::{PoolSettings, reconcile};
+use idem_postgres::{PgLedger, PoolSettings};
 use idem_upstream::HttpClient;
 use secrecy::ExposeSecret;
-use sqlx::PgPool;
 
 use crate::stats::Stats;
 
 /// One reconciler.
 pub struct Reconciler {
-    pub(crate) pool: PgPool,
+    pub(crate) ledger: PgLedger,
     pub(crate) config: Config,
     pub(crate) client: HttpClient,
     pub stats: Arc<Stats>,
@@ -52,8 +53,9 @@ impl Reconciler {
         let pool = idem_postgres::connect(config.postgres.url.expose_secret(), &settings)
             .await
             .context("connecting to postgres.url")?;
+        let op_timeout = config.postgres.acquire_timeout + config.postgres.statement_timeout;
         Ok(Self {
-            pool,
+            ledger: PgLedger::new(pool, op_timeout),
             config,
             client: idem_upstream::pooled_client(),
             stats: Arc::default(),
@@ -65,7 +67,9 @@ impl Reconciler {
         let settings = &self.config.reconciler;
         let batch = i64::from(settings.batch_size);
         loop {
-            let rows = reconcile::take_stuck(&self.pool, batch, settings.processing_lease)
+            let rows = self
+                .ledger
+                .take_stuck(batch, settings.processing_lease)
                 .await
                 .context("taking stuck rows")?;
             let taken = rows.len();
@@ -84,16 +88,27 @@ impl Reconciler {
             }
         }
         self.purge().await?;
+        let held = self
+            .ledger
+            .count_held()
+            .await
+            .context("counting held keys")?;
+        self.stats.held_keys.store(
+            u64::try_from(held).unwrap_or(0),
+            std::sync::atomic::Ordering::Relaxed,
+        );
         Stats::add(&self.stats.passes, 1);
         Ok(())
     }
 
-    /// Deletes expired rows in small batches, for at most the purge budget.
+    /// Deletes expired completed rows in small batches, for at most the purge budget.
     async fn purge(&self) -> anyhow::Result<()> {
         let settings = &self.config.reconciler;
         let started = Instant::now();
         loop {
-            let deleted = reconcile::purge_batch(&self.pool, i64::from(settings.purge_batch))
+            let deleted = self
+                .ledger
+                .purge_batch(i64::from(settings.purge_batch))
                 .await
                 .context("purging expired rows")?;
             Stats::add(&self.stats.purged, deleted);

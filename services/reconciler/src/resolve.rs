@@ -1,18 +1,20 @@
-//! What to do with one stuck row: probe the upstream, or follow the route's
-//! `on_unknown` policy. Never re-execute on a guess: a row is released only on evidence
-//! (a probe's 404) or by an explicit policy.
+//! One stuck row: ask the route's status probe (if it has one), let
+//! [`idem_core::reconcile::decide`] say what that means, and carry it out, fenced by the
+//! attempt the row was taken with. Never re-execute on a guess: a row is released only
+//! on evidence (two 404s `release_confirm` apart) or by an explicit policy.
 
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
 use bytes::Bytes;
 use http::{HeaderValue, Method, Request};
 use http_body_util::Full;
-use idem_config::{OnUnknown, Probe, Route};
-use idem_core::Fence;
-use idem_postgres::reconcile::{self, StuckRow};
+use idem_config::{Probe, Route};
+use idem_core::reconcile::{self as rules, History, ProbeAnswer, Released, Resolution, Rules};
+use idem_core::{Fence, LedgerError, StoredResponse};
+use idem_postgres::{Later, StuckRow};
 use idem_telemetry::propagation;
+use idem_upstream::Forwarded;
 use idem_upstream::headers::{IDEMPOTENCY_KEY, X_TENANT_ID, to_stored};
-use idem_upstream::{Forwarded, UpstreamResponse};
 use tracing::Instrument;
 
 use crate::Reconciler;
@@ -20,7 +22,7 @@ use crate::stats::Stats;
 
 impl Reconciler {
     /// Resolves one row in an `idemgate.reconcile` span linked to the first execution.
-    pub(crate) async fn resolve(&self, row: StuckRow) -> sqlx::Result<()> {
+    pub(crate) async fn resolve(&self, row: StuckRow) -> Result<(), LedgerError> {
         let span = tracing::info_span!(
             "idemgate.reconcile",
             tenant.id = %row.scope.tenant,
@@ -30,94 +32,133 @@ impl Reconciler {
         if let Some(first) = &row.trace_context {
             propagation::link(&span, first);
         }
-        self.decide(row).instrument(span).await
+        self.settle_row(row).instrument(span).await
     }
 
-    async fn decide(&self, row: StuckRow) -> sqlx::Result<()> {
+    async fn settle_row(&self, row: StuckRow) -> Result<(), LedgerError> {
         let scope = &row.scope;
+        let settings = &self.config.reconciler;
         let Some(route) = self.config.routes.by_endpoint(&scope.endpoint) else {
             tracing::warn!(
                 ?scope,
                 "stuck key of an endpoint no longer configured; held for an operator"
             );
             Stats::add(&self.stats.held, 1);
-            return reconcile::defer(&self.pool, &row, self.config.reconciler.max_backoff, false)
-                .await;
+            self.ledger
+                .defer(&row, settings.max_backoff, Later::Unprobed)
+                .await?;
+            return Ok(());
         };
-        match (&route.probe, &route.on_unknown) {
-            (Some(probe), _) => self.probe(route, probe, &row).await,
-            (None, OnUnknown::Hold) => {
+        let taken = std::time::Instant::now();
+        let (answer, found) = match &route.probe {
+            Some(probe) => {
+                let (answer, found) = self.ask(route, probe, &row).await;
+                (Some(answer), found)
+            }
+            None => (None, None),
+        };
+        let rules = Rules {
+            probe: route.probe.is_some(),
+            on_unknown: route.on_unknown,
+            release_confirm: settings.release_confirm,
+            backoff: settings.interval,
+            max_backoff: settings.max_backoff,
+        };
+        // Decided by the database's clock, which wrote every timestamp of the row.
+        let now = SystemTime::from(row.taken_at) + taken.elapsed();
+        let history = History {
+            created_at: row.created_at.into(),
+            probe_attempts: u32::try_from(row.probe_attempts).unwrap_or(0),
+            first_not_found: row.first_not_found_at.map(SystemTime::from),
+        };
+        match rules::decide(&rules, answer, &history, now) {
+            Resolution::Complete => {
+                let stored = found.expect("a found answer comes with its response");
+                let fence = self.ledger.resolve(&row, &stored, route.policy.ttl).await?;
+                self.settled(
+                    &row,
+                    fence,
+                    &self.stats.completed,
+                    "completed with the upstream's answer",
+                );
+            }
+            Resolution::Release(why) => {
+                let fence = self
+                    .ledger
+                    .release_attempt(scope, Some(row.attempt))
+                    .await?;
+                let (counter, what) = match why {
+                    Released::NotFoundTwice => (
+                        &self.stats.released,
+                        "released: the upstream answered 404 twice, release_confirm apart",
+                    ),
+                    Released::Policy => {
+                        (&self.stats.released_after, "released by on_unknown policy")
+                    }
+                };
+                self.settled(&row, fence, counter, what);
+            }
+            Resolution::ConfirmLater { after } => {
+                tracing::info!(?scope, confirm_in = ?after, "probe said 404; asked again before the key is released");
+                Stats::add(&self.stats.not_found, 1);
+                self.later(&row, after, Later::NotFound).await?;
+            }
+            Resolution::Retry { after } => {
+                tracing::warn!(?scope, retry_in = ?after, "probe inconclusive; the key stays held");
+                Stats::add(&self.stats.probe_failed, 1);
+                self.later(&row, after, Later::Inconclusive).await?;
+            }
+            Resolution::Hold { after } => {
                 tracing::warn!(?scope, created_at = %row.created_at, "outcome unknown and no probe: held for an operator (idemgate keys show|release)");
                 Stats::add(&self.stats.held, 1);
-                reconcile::defer(&self.pool, &row, self.config.reconciler.max_backoff, false).await
+                self.later(&row, after, Later::Unprobed).await?;
             }
-            (None, OnUnknown::ReleaseAfter(after)) => {
-                let age = (chrono::Utc::now() - row.created_at)
-                    .to_std()
-                    .unwrap_or_default();
-                if age >= *after {
-                    self.settle(
-                        &row,
-                        reconcile::release(&self.pool, &row).await?,
-                        &self.stats.released_after,
-                        "released by on_unknown policy",
-                    );
-                    Ok(())
-                } else {
-                    reconcile::defer(&self.pool, &row, *after - age, false).await
-                }
-            }
+            Resolution::Wait { after } => self.later(&row, after, Later::Unprobed).await?,
         }
+        Ok(())
     }
 
-    async fn probe(&self, route: &Route, probe: &Probe, row: &StuckRow) -> sqlx::Result<()> {
-        let scope = &row.scope;
-        match self.ask(route, probe, row).await {
+    async fn later(&self, row: &StuckRow, after: Duration, why: Later) -> Result<(), LedgerError> {
+        if self.ledger.defer(row, after, why).await? == Fence::Lost {
+            tracing::info!(scope = ?row.scope, "the original attempt finished meanwhile; nothing changed");
+        }
+        Ok(())
+    }
+
+    /// Asks the upstream; a 2xx comes with the response to store (a body past the
+    /// route's `max_response_bytes` is recorded without it, and not read further).
+    async fn ask(
+        &self,
+        route: &Route,
+        probe: &Probe,
+        row: &StuckRow,
+    ) -> (ProbeAnswer, Option<StoredResponse>) {
+        match self.send_probe(route, probe, row).await {
             Forwarded::Answered(answer) if answer.status.is_success() => {
-                // A body past the route's max_response_bytes is recorded without it (and
-                // not read further): retries then learn the operation happened (410).
                 let stored = to_stored(
                     answer.status.as_u16(),
                     &answer.headers,
                     answer.body.full().cloned(),
                     route.policy.store_set_cookie,
                 );
-                let fence = reconcile::complete(&self.pool, row, &stored, route.policy.ttl).await?;
-                self.settle(
-                    row,
-                    fence,
-                    &self.stats.completed,
-                    "completed with the upstream's answer",
-                );
-                Ok(())
+                (ProbeAnswer::Found, Some(stored))
             }
-            Forwarded::Answered(UpstreamResponse { status, .. })
-                if status == http::StatusCode::NOT_FOUND =>
-            {
-                let fence = reconcile::release(&self.pool, row).await?;
-                self.settle(
-                    row,
-                    fence,
-                    &self.stats.released,
-                    "released: the upstream never ran it",
-                );
-                Ok(())
+            Forwarded::Answered(answer) if answer.status == http::StatusCode::NOT_FOUND => {
+                (ProbeAnswer::NotFound, None)
             }
             other => {
                 let why = match other {
                     Forwarded::Answered(a) => format!("probe answered {}", a.status),
                     Forwarded::NotSent(e) | Forwarded::Unknown(e) => e,
                 };
-                let backoff = self.backoff(row.probe_attempts);
-                tracing::warn!(?scope, %why, retry_in = ?backoff, "probe inconclusive; the key stays held");
-                Stats::add(&self.stats.probe_failed, 1);
-                reconcile::defer(&self.pool, row, backoff, true).await
+                tracing::debug!(scope = ?row.scope, %why, "probe inconclusive");
+                (ProbeAnswer::Inconclusive, None)
             }
         }
     }
 
     /// Sends the route's status probe for this row.
-    async fn ask(&self, route: &Route, probe: &Probe, row: &StuckRow) -> Forwarded {
+    async fn send_probe(&self, route: &Route, probe: &Probe, row: &StuckRow) -> Forwarded {
         let path = probe
             .path
             .replace("{key}", &percent_encode(row.scope.key.as_str()));
@@ -147,7 +188,7 @@ impl Reconciler {
         .await
     }
 
-    fn settle(
+    fn settled(
         &self,
         row: &StuckRow,
         fence: Fence,
@@ -172,11 +213,6 @@ impl Reconciler {
                 Stats::add(&self.stats.fenced, 1);
             }
         }
-    }
-
-    fn backoff(&self, attempts: i32) -> Duration {
-        let exp = u32::try_from(attempts.clamp(0, 16)).unwrap_or(16);
-        (self.config.reconciler.interval * 2u32.pow(exp)).min(self.config.reconciler.max_backoff)
     }
 }
 

@@ -8,8 +8,11 @@ use std::sync::atomic::{AtomicU64, Ordering};
 pub struct Stats {
     /// Rows completed with the upstream's real answer (probe 2xx).
     pub completed: AtomicU64,
-    /// Rows released because the upstream never ran them (probe 404).
+    /// Rows released because the upstream never ran them (two probe 404s at least
+    /// `reconciler.release_confirm` apart).
     pub released: AtomicU64,
+    /// Probe 404s not yet confirmed: asked again at `release_confirm`.
+    pub not_found: AtomicU64,
     /// Rows released by a route's `on_unknown = "release-after:…"` policy.
     pub released_after: AtomicU64,
     /// Rows held for an operator (`on_unknown = "hold"`, or no such route any more).
@@ -21,6 +24,8 @@ pub struct Stats {
     /// Expired rows deleted.
     pub purged: AtomicU64,
     pub passes: AtomicU64,
+    /// Keys held right now (in progress, lease over), as of the last pass: a gauge.
+    pub held_keys: AtomicU64,
 }
 
 impl Stats {
@@ -28,11 +33,12 @@ impl Stats {
         counter.fetch_add(n, Ordering::Relaxed);
     }
 
-    fn pairs(&self) -> [(&'static str, u64); 7] {
+    fn pairs(&self) -> [(&'static str, u64); 8] {
         let get = |c: &AtomicU64| c.load(Ordering::Relaxed);
         [
             ("completed", get(&self.completed)),
             ("released", get(&self.released)),
+            ("not_found", get(&self.not_found)),
             ("released_after", get(&self.released_after)),
             ("held", get(&self.held)),
             ("probe_failed", get(&self.probe_failed)),
@@ -41,13 +47,14 @@ impl Stats {
         ]
     }
 
-    /// `completed=1 released=0 …`, for the log line at the end of a pass.
+    /// `completed=1 released=0 … held_keys=2`, for the log line at the end of a pass.
     pub fn summary(&self) -> String {
         let mut out = String::new();
         for (name, value) in self.pairs() {
             let _ = write!(out, "{name}={value} ");
         }
-        out.trim_end().to_owned()
+        let _ = write!(out, "held_keys={}", self.held_keys.load(Ordering::Relaxed));
+        out
     }
 
     /// Prometheus text.
@@ -67,6 +74,12 @@ impl Stats {
             "# HELP idemgate_reconciler_passes_total Passes run.\n# TYPE idemgate_reconciler_passes_total counter\n\
              idemgate_reconciler_passes_total {}\n",
             self.passes.load(Ordering::Relaxed)
+        );
+        let _ = write!(
+            out,
+            "# HELP idemgate_held_keys Keys in progress whose lease is over, waiting on a probe, a policy or a person.\n\
+             # TYPE idemgate_held_keys gauge\nidemgate_held_keys {}\n",
+            self.held_keys.load(Ordering::Relaxed)
         );
         out
     }

@@ -4,49 +4,18 @@
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+mod common;
+
+use common::*;
 use http::StatusCode;
 use idem_testkit::*;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-
-/// Lease 2 s, upstream timeout as given, a status probe, and extra route keys.
-fn probed_route(upstream: &str, timeout: &str, extra: &str) -> String {
-    format!(
-        r#"
-        [idempotency]
-        lease = "2s"
-        [[routes]]
-        method = "POST"
-        path = "/payments"
-        upstream = "{upstream}"
-        idempotent = true
-        timeout = "{timeout}"
-        {extra}
-        "#
-    )
-}
-
-const PROBE: &str = r#"probe = "GET /payments/by-key/{key}""#;
-
-async fn row(db: &TestDb, key: &str) -> Option<(String, Option<i32>, Option<Vec<u8>>)> {
-    let mut conn = db.connect().await;
-    sqlx::query_as(
-        "SELECT status, response_status, response_body FROM idempotency_keys WHERE key = $1",
-    )
-    .bind(key)
-    .fetch_optional(&mut conn)
-    .await
-    .unwrap()
-}
-
-async fn past_lease() {
-    tokio::time::sleep(Duration::from_millis(2300)).await;
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_gateway_killed_mid_request_is_resolved_by_the_probe() {
     let db = TestDb::create().await;
     let demo = Demo::start(&db).await;
-    let cfg = config_toml(&db, &probed_route(&demo.url(), "1500ms", PROBE));
+    let cfg = config_toml(&db, &leased_route(&demo.url(), "900ms", PROBE));
     let mut doomed = GatewayProcess::start(&cfg).await;
     let http = Http::default();
     let key = new_key();
@@ -76,9 +45,7 @@ async fn a_gateway_killed_mid_request_is_resolved_by_the_probe() {
     assert_eq!(retry.problem(), "idempotency-key-in-progress");
 
     past_lease().await;
-    let pass = reconcile_once(&cfg).await;
-    assert!(pass.success, "{}", pass.stderr);
-    assert!(pass.stdout.contains("completed=1"), "{}", pass.stdout);
+    pass_reporting(&cfg, &["completed=1"]).await;
 
     // The probe's answer (what really happened upstream) is what retries replay.
     let replay = send(&gw).await.unwrap();
@@ -98,7 +65,7 @@ async fn a_gateway_killed_mid_request_is_resolved_by_the_probe() {
 async fn an_upstream_timeout_is_resolved_by_the_probe() {
     let db = TestDb::create().await;
     let demo = Demo::start(&db).await;
-    let cfg = config_toml(&db, &probed_route(&demo.url(), "300ms", PROBE));
+    let cfg = config_toml(&db, &leased_route(&demo.url(), "300ms", PROBE));
     let gw = GatewayProcess::start(&cfg).await;
     let http = Http::default();
     let key = new_key();
@@ -113,13 +80,7 @@ async fn an_upstream_timeout_is_resolved_by_the_probe() {
     assert_eq!(send().await.status, StatusCode::GATEWAY_TIMEOUT);
     assert_eq!(send().await.status, StatusCode::CONFLICT);
     past_lease().await;
-    let pass = reconcile_once(&cfg).await;
-    assert!(
-        pass.stdout.contains("completed=1"),
-        "{}{}",
-        pass.stdout,
-        pass.stderr
-    );
+    pass_reporting(&cfg, &["completed=1"]).await;
     let replay = http
         .pay(&gw.url("/payments"), "acme", &key, &payment("o-504", 100))
         .send()
@@ -138,7 +99,7 @@ async fn a_probe_answer_too_large_to_keep_completes_the_key_without_its_body() {
     let upstream = TestUpstream::answering(200, Some(300_000)).await;
     let cfg = config_toml(
         &db,
-        &probed_route(
+        &leased_route(
             &upstream.url(),
             "300ms",
             &format!("{PROBE}\nmax_response_bytes = 100000"),
@@ -157,13 +118,7 @@ async fn a_probe_answer_too_large_to_keep_completes_the_key_without_its_body() {
     let first = send().header("x-test-delay-ms", "1000").send().await;
     assert_eq!(first.status, StatusCode::GATEWAY_TIMEOUT);
     past_lease().await;
-    let pass = reconcile_once(&cfg).await;
-    assert!(
-        pass.stdout.contains("completed=1"),
-        "{}{}",
-        pass.stdout,
-        pass.stderr
-    );
+    pass_reporting(&cfg, &["completed=1"]).await;
     let (status, response_status, body) = row(&db, &key).await.unwrap();
     assert_eq!((status.as_str(), response_status), ("completed", Some(200)));
     assert_eq!(
@@ -181,27 +136,20 @@ async fn a_probe_answer_too_large_to_keep_completes_the_key_without_its_body() {
     assert_eq!(upstream.calls(), 2);
 }
 
-/// A TCP server that accepts requests and never answers: sent, outcome unknown.
-async fn black_hole() -> String {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    tokio::spawn(async move {
-        let mut held = Vec::new();
-        while let Ok((socket, _)) = listener.accept().await {
-            held.push(socket);
-        }
-    });
-    format!("http://{addr}")
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_probe_404_releases_the_key_and_the_retry_executes_once() {
+async fn two_probe_404s_release_the_key_and_the_retry_executes_once() {
     let db = TestDb::create().await;
     let demo = Demo::start(&db).await;
     // The request goes into a black hole (it never reaches the payments service) ...
-    let lost = config_toml(&db, &probed_route(&black_hole().await, "300ms", PROBE));
+    let lost = config_toml(&db, &leased_route(&black_hole().await, "300ms", PROBE));
     // ... and the reconciler asks the payments service, which never saw it.
-    let cfg = config_toml(&db, &probed_route(&demo.url(), "1500ms", PROBE));
+    let cfg = config_toml(
+        &db,
+        &format!(
+            "[reconciler]\nrelease_confirm = \"1s\"\n{}",
+            leased_route(&demo.url(), "900ms", PROBE)
+        ),
+    );
     let http = Http::default();
     let key = new_key();
     {
@@ -213,13 +161,13 @@ async fn a_probe_404_releases_the_key_and_the_retry_executes_once() {
         assert_eq!(timed_out.status, StatusCode::GATEWAY_TIMEOUT);
     }
     past_lease().await;
-    let pass = reconcile_once(&cfg).await;
+    pass_reporting(&cfg, &["not_found=1"]).await;
     assert!(
-        pass.stdout.contains("released=1"),
-        "{}{}",
-        pass.stdout,
-        pass.stderr
+        row(&db, &key).await.is_some(),
+        "one 404 is only \"not yet\""
     );
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    pass_reporting(&cfg, &["released=1"]).await;
     assert!(row(&db, &key).await.is_none());
 
     let gw = GatewayProcess::start(&cfg).await;
@@ -236,7 +184,7 @@ async fn a_probe_404_releases_the_key_and_the_retry_executes_once() {
 async fn a_paused_gateways_late_completion_is_fenced_out() {
     let db = TestDb::create().await;
     let demo = Demo::start(&db).await;
-    let cfg = config_toml(&db, &probed_route(&demo.url(), "1500ms", PROBE));
+    let cfg = config_toml(&db, &leased_route(&demo.url(), "900ms", PROBE));
     let gw = GatewayProcess::start(&cfg).await;
     let http = Http::default();
     let key = new_key();
@@ -250,13 +198,7 @@ async fn a_paused_gateways_late_completion_is_fenced_out() {
     signal(gw.pid(), "STOP");
     past_lease().await;
     tokio::time::sleep(Duration::from_millis(500)).await; // the demo has answered by now
-    let pass = reconcile_once(&cfg).await;
-    assert!(
-        pass.stdout.contains("completed=1"),
-        "{}{}",
-        pass.stdout,
-        pass.stderr
-    );
+    pass_reporting(&cfg, &["completed=1"]).await;
     let resolved = row(&db, &key).await.unwrap();
     assert_eq!(resolved.0, "completed");
     assert_eq!(resolved.1, Some(200), "the probe's answer");
@@ -270,31 +212,6 @@ async fn a_paused_gateways_late_completion_is_fenced_out() {
         "the late completion changed nothing"
     );
     assert_eq!(db.executions("demo_payments", "acme", &key).await, 1);
-}
-
-/// Inserts `n` in-progress rows whose lease ran out, as crashed gateways leave them.
-async fn stuck_rows(db: &TestDb, tenant: &str, endpoint: &str, n: usize) -> Vec<String> {
-    let mut conn = db.connect().await;
-    let keys: Vec<String> = (0..n)
-        .map(|i| format!("stuck-{i}-{}", uuid::Uuid::new_v4().simple()))
-        .collect();
-    for key in &keys {
-        sqlx::query(
-            "INSERT INTO idempotency_keys (tenant_id, endpoint, key, request_hash, status, attempt,
-                 locked_until, created_at, expires_at)
-             VALUES ($1, $2, $3, $4, 'in_progress', $5, now() - interval '1 minute',
-                 now() - interval '2 minutes', now() + interval '1 day')",
-        )
-        .bind(tenant)
-        .bind(endpoint)
-        .bind(key)
-        .bind(vec![0u8; 32])
-        .bind(uuid::Uuid::new_v4())
-        .execute(&mut conn)
-        .await
-        .unwrap();
-    }
-    keys
 }
 
 /// An upstream that records every request path and answers 404.
@@ -335,7 +252,7 @@ async fn two_reconcilers_probe_each_stuck_row_exactly_once() {
         &db,
         &format!(
             "[reconciler]\nbatch_size = 10\n{}",
-            probed_route(&upstream, "1s", PROBE)
+            leased_route(&upstream, "900ms", PROBE)
         ),
     );
     let (a, b) = tokio::join!(reconcile_once(&cfg), reconcile_once(&cfg));
@@ -352,7 +269,11 @@ async fn two_reconcilers_probe_each_stuck_row_exactly_once() {
         .collect();
     expected.sort();
     assert_eq!(probed, expected);
-    assert_eq!(db.ledger_rows("acme").await, 0, "all released on 404");
+    assert_eq!(
+        db.ledger_rows("acme").await,
+        100,
+        "a first 404 releases nothing"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -403,14 +324,8 @@ async fn an_inconclusive_probe_leaves_the_key_for_later_with_backoff() {
     // Nothing listens here: every probe fails to connect.
     let nowhere = format!("http://127.0.0.1:{}", free_port(false));
     let keys = stuck_rows(&db, "acme", "POST /payments", 3).await;
-    let cfg = config_toml(&db, &probed_route(&nowhere, "1s", PROBE));
-    let pass = reconcile_once(&cfg).await;
-    assert!(
-        pass.stdout.contains("probe_failed=3"),
-        "{}{}",
-        pass.stdout,
-        pass.stderr
-    );
+    let cfg = config_toml(&db, &leased_route(&nowhere, "900ms", PROBE));
+    pass_reporting(&cfg, &["probe_failed=3"]).await;
     let again = reconcile_once(&cfg).await;
     assert!(
         again.stdout.contains("probe_failed=0"),
@@ -435,13 +350,13 @@ async fn the_purge_removes_only_expired_rows_while_traffic_flows() {
         &db,
         &format!(
             "[reconciler]\npurge_batch = 500\n{}",
-            probed_route(&demo.url(), "1500ms", PROBE)
+            leased_route(&demo.url(), "900ms", PROBE)
         ),
     );
     let gw = GatewayProcess::start(&cfg).await;
     let mut conn = db.connect().await;
-    // 3000 expired completed rows, 100 live ones, and in-progress rows past expiry:
-    // one still within its lease (kept), one past it (purged).
+    // 3000 expired completed rows, 100 live ones, and in-progress rows past expiry: one
+    // still within its lease, one past it — both kept (a held key never lapses).
     for (prefix, expires, count) in [
         ("expired", "now() - interval '1 hour'", 3000),
         ("live", "now() + interval '1 hour'", 100),
@@ -521,46 +436,87 @@ async fn the_purge_removes_only_expired_rows_while_traffic_flows() {
         1,
         "never an in-progress row within its lease"
     );
-    assert_eq!(count("key = 'abandoned'").await, 0);
+    assert_eq!(
+        count("key = 'abandoned'").await,
+        1,
+        "never an in-progress row, whatever its TTL"
+    );
     assert_eq!(
         count("tenant_id = 'acme'").await,
         150,
         "the load's own keys are untouched"
     );
-    assert!(pass.stdout.contains("purged=3001"), "{}", pass.stdout);
+    assert!(pass.stdout.contains("purged=3000"), "{}", pass.stdout);
 }
 
+// On main: "error: unrecognized subcommand 'list'" (there was no `keys list --held`);
+// behind it, the README's `keys release --config FILE …` answered "unexpected argument
+// '--config' found", and `keys show` printed a Rust Debug dump.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn operators_can_show_and_release_a_stuck_key() {
+async fn operators_can_list_show_and_release_a_held_key() {
     let db = TestDb::create().await;
     db.migrate().await;
     let keys = stuck_rows(&db, "acme", "POST /payments", 1).await;
     let path = config_file(&config_toml(
         &db,
-        &probed_route("http://127.0.0.1:9", "1s", ""),
+        &leased_route("http://127.0.0.1:9", "900ms", ""),
     ));
+    let path = path.to_str().unwrap();
     let idemgate = |args: &[&str]| {
-        std::process::Command::new(binary("idemgate", "services/gateway/src"))
-            .arg("keys")
-            .arg("--config")
-            .arg(&path)
+        let out = std::process::Command::new(binary("idemgate", "services/gateway/src"))
             .args(args)
             .output()
-            .unwrap()
+            .unwrap();
+        let text = |b: &[u8]| String::from_utf8_lossy(b).into_owned();
+        (out.status.success(), text(&out.stdout), text(&out.stderr))
     };
-    let show = idemgate(&["show", "acme", "POST /payments", &keys[0]]);
-    assert!(show.status.success());
-    assert!(String::from_utf8_lossy(&show.stdout).contains("in_progress"));
-    let release = idemgate(&["release", "acme", "POST /payments", &keys[0]]);
-    assert!(
-        release.status.success(),
-        "{}",
-        String::from_utf8_lossy(&release.stderr)
+    let key = keys[0].as_str();
+    let scope = ["acme", "POST /payments", key];
+
+    let (ok, listed, err) = idemgate(&["keys", "list", "--held", "--config", path]);
+    assert!(ok, "{err}");
+    assert!(listed.contains(key) && listed.contains("acme"), "{listed}");
+
+    // Both orders of --config work.
+    let (ok, shown, err) = idemgate(&[&["keys", "show", "--config", path][..], &scope].concat());
+    assert!(ok, "{err}");
+    for line in [
+        "state        held",
+        "attempt",
+        "created",
+        "lease until",
+        "probes       none",
+    ] {
+        assert!(shown.contains(line), "{line:?} in\n{shown}");
+    }
+    assert!(!shown.contains("KeyInfo {"), "no Debug dump");
+    let (ok, json, err) =
+        idemgate(&[&["keys", "--config", path, "show", "--json"][..], &scope].concat());
+    assert!(ok, "{err}");
+    let json: serde_json::Value = serde_json::from_str(&json).unwrap();
+    assert_eq!(
+        (json["state"].as_str(), json["key"].as_str()),
+        (Some("held"), Some(key))
     );
-    assert!(String::from_utf8_lossy(&release.stderr).contains("released by an operator"));
-    assert!(row(&db, &keys[0]).await.is_none());
-    let again = idemgate(&["release", "acme", "POST /payments", &keys[0]]);
-    assert!(!again.status.success(), "nothing left to release");
+
+    let (ok, _, err) = idemgate(&[&["keys", "release", "--config", path][..], &scope].concat());
+    assert!(!ok && err.contains("--reason"), "a release says why: {err}");
+    let release = [
+        &["keys", "release", "--config", path][..],
+        &scope,
+        &["--reason", "ticket 42: never charged"],
+    ]
+    .concat();
+    let (ok, out, err) = idemgate(&release);
+    assert!(ok, "{err}");
+    assert_eq!(out.trim(), "released");
+    assert!(
+        err.contains("released by an operator") && err.contains("ticket 42"),
+        "{err}"
+    );
+    assert!(row(&db, key).await.is_none());
+    let (ok, _, _) = idemgate(&release);
+    assert!(!ok, "nothing left to release");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -572,8 +528,8 @@ async fn the_loop_serves_health_and_metrics_and_stops_on_sigterm() {
     let cfg = config_toml(
         &db,
         &format!(
-            "[reconciler]\nlisten = \"127.0.0.1:0\"\ninterval = \"100ms\"\n{}",
-            probed_route(&upstream, "1s", PROBE)
+            "[reconciler]\nlisten = \"127.0.0.1:0\"\ninterval = \"100ms\"\nrelease_confirm = \"500ms\"\n{}",
+            leased_route(&upstream, "900ms", PROBE)
         ),
     );
     let mut child =
@@ -595,23 +551,29 @@ async fn the_loop_serves_health_and_metrics_and_stops_on_sigterm() {
         StatusCode::OK
     );
     let deadline = std::time::Instant::now() + Duration::from_secs(10);
-    loop {
-        let metrics = String::from_utf8_lossy(
-            &http
-                .get(&format!("http://{addr}/metrics"))
-                .send()
-                .await
-                .body,
-        )
-        .into_owned();
-        if metrics.contains("idemgate_reconciler_actions_total{action=\"released\"} 2") {
-            break;
+    // First both keys are held (one 404 each, confirmation due), then both released.
+    for wanted in [
+        "idemgate_held_keys 2",
+        "idemgate_reconciler_actions_total{action=\"released\"} 2",
+    ] {
+        loop {
+            let metrics = String::from_utf8_lossy(
+                &http
+                    .get(&format!("http://{addr}/metrics"))
+                    .send()
+                    .await
+                    .body,
+            )
+            .into_owned();
+            if metrics.contains(wanted) {
+                break;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "{wanted:?} in {metrics}"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
         }
-        assert!(
-            std::time::Instant::now() < deadline,
-            "the loop resolved the rows: {metrics}"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
     }
     signal(child.id().unwrap(), "TERM");
     let status = tokio::time::timeout(Duration::from_secs(10), child.wait())

@@ -1,0 +1,108 @@
+//! What `idemgate keys` prints: one key in words (or JSON for scripts), and the held
+//! keys waiting on a person, one per line.
+
+use chrono::{DateTime, Utc};
+use idem_postgres::KeyInfo;
+use serde_json::json;
+
+/// Where a key stands, in the words of DESIGN §3's `operation_state`.
+pub fn state(info: &KeyInfo) -> &'static str {
+    match info.status.as_str() {
+        "completed" => "completed",
+        _ if info.held() => "held",
+        _ => "in_progress",
+    }
+}
+
+/// A key in words, one fact per line.
+pub fn describe(info: &KeyInfo) -> String {
+    let at = |t: &DateTime<Utc>| t.to_rfc3339_opts(chrono::SecondsFormat::Millis, true);
+    let or_none = |t: &Option<DateTime<Utc>>| t.as_ref().map_or("-".to_owned(), at);
+    let state = match state(info) {
+        "held" => "held: in progress, lease over; the outcome is unknown until a probe, a policy or an operator settles it".to_owned(),
+        "in_progress" => "in progress: its first attempt is running".to_owned(),
+        other => other.to_owned(),
+    };
+    let response = match (info.response_status, info.response_bytes) {
+        (Some(status), _) if info.response_omitted => {
+            format!(
+                "{status}, body not stored (over the route's max_response_bytes); retries get 410"
+            )
+        }
+        (Some(status), Some(bytes)) => format!("{status}, {bytes} bytes"),
+        _ => "-".to_owned(),
+    };
+    let probes = match (&info.first_not_found_at, info.probe_attempts) {
+        (Some(first), n) => format!("first 404 at {}; {n} inconclusive", at(first)),
+        (None, 0) => "none".to_owned(),
+        (None, n) => format!("{n} inconclusive"),
+    };
+    let lines = [
+        (
+            "key",
+            format!("{} {:?} {}", info.tenant, info.endpoint, info.key),
+        ),
+        ("state", state),
+        ("attempt", info.attempt.to_string()),
+        ("created", at(&info.created_at)),
+        ("completed", or_none(&info.completed_at)),
+        ("expires", at(&info.expires_at)),
+        ("lease until", or_none(&info.locked_until)),
+        ("held since", or_none(&info.held_since)),
+        ("probes", probes),
+        ("response", response),
+        ("trace id", trace_id(info).unwrap_or("-").to_owned()),
+    ];
+    lines
+        .iter()
+        .map(|(name, value)| format!("{name:<12} {value}\n"))
+        .collect()
+}
+
+/// The key as one JSON object (never its stored body); times in RFC 3339.
+pub fn to_json(info: &KeyInfo) -> serde_json::Value {
+    let at = |t: &DateTime<Utc>| t.to_rfc3339_opts(chrono::SecondsFormat::Millis, true);
+    let maybe = |t: &Option<DateTime<Utc>>| t.as_ref().map(at);
+    json!({
+        "tenant": info.tenant,
+        "endpoint": info.endpoint,
+        "key": info.key,
+        "state": state(info),
+        "status": info.status,
+        "attempt": info.attempt.to_string(),
+        "created_at": at(&info.created_at),
+        "completed_at": maybe(&info.completed_at),
+        "expires_at": at(&info.expires_at),
+        "lease_until": maybe(&info.locked_until),
+        "held_since": maybe(&info.held_since),
+        "probe_attempts": info.probe_attempts,
+        "first_not_found_at": maybe(&info.first_not_found_at),
+        "response_status": info.response_status,
+        "response_bytes": info.response_bytes,
+        "response_omitted": info.response_omitted,
+        "trace_id": trace_id(info),
+    })
+}
+
+/// One held key per line: since when, which key, how far its probes got.
+pub fn held_line(info: &KeyInfo) -> String {
+    let since = info.held_since.unwrap_or(info.created_at);
+    format!(
+        "{}  {}  {:?}  {}  probes: {}{}",
+        since.to_rfc3339_opts(chrono::SecondsFormat::Secs, true),
+        info.tenant,
+        info.endpoint,
+        info.key,
+        info.probe_attempts,
+        if info.first_not_found_at.is_some() {
+            ", one 404"
+        } else {
+            ""
+        }
+    )
+}
+
+/// The trace id of the first execution's `traceparent` (`00-<trace id>-<span>-<flags>`).
+fn trace_id(info: &KeyInfo) -> Option<&str> {
+    info.trace_context.as_deref()?.split('-').nth(1)
+}
