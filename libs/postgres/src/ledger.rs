@@ -100,14 +100,8 @@ pub struct KeyInfo {
     pub probe_attempts: i32,
     pub first_not_found_at: Option<DateTime<Utc>>,
     pub trace_context: Option<String>,
-}
-
-impl KeyInfo {
-    /// Whether the key waits on the reconciler or a person (in progress, lease over).
-    pub fn held(&self) -> bool {
-        self.status == "in_progress"
-            && (self.held_since.is_some() || self.locked_until.is_none_or(|t| t <= Utc::now()))
-    }
+    /// Whether the key waits on the reconciler or a person (the one rule, `held!`).
+    pub held: bool,
 }
 
 impl PgLedger {
@@ -171,11 +165,7 @@ impl PgLedger {
         let result = self
             .bounded(operation, statement.execute(&self.pool))
             .await?;
-        Ok(if result.rows_affected() == 1 {
-            Fence::Held
-        } else {
-            Fence::Lost
-        })
+        Ok(fence(result.rows_affected()))
     }
 
     async fn try_claim(&self, c: &Claim<'_>) -> Result<Option<ClaimResult>, LedgerError> {
@@ -389,11 +379,7 @@ impl Ledger for PgLedger {
                 statement.execute(&mut *conn).await
             })
             .await?;
-        Ok(if result.rows_affected() == 1 {
-            Fence::Held
-        } else {
-            Fence::Lost
-        })
+        Ok(fence(result.rows_affected()))
     }
 
     async fn release(&self, scope: &Scope, attempt: AttemptId) -> Result<Fence, LedgerError> {
@@ -449,10 +435,14 @@ macro_rules! record_columns {
 }
 macro_rules! key_columns {
     () => {
-        "k.tenant_id, k.endpoint, k.key, k.status, k.attempt, k.created_at, k.completed_at, \
+        concat!(
+            "k.tenant_id, k.endpoint, k.key, k.status, k.attempt, k.created_at, k.completed_at, \
          k.locked_until, k.expires_at, k.held_since, k.response_status, \
          octet_length(k.response_body) AS response_bytes, k.response_omitted, \
-         k.probe_attempts, k.first_not_found_at, k.trace_context"
+         k.probe_attempts, k.first_not_found_at, k.trace_context, (",
+            held!(),
+            ") AS held"
+        )
     };
 }
 
@@ -585,6 +575,11 @@ pub const LIST_HELD_SQL: &str = concat!(
     " ORDER BY k.created_at LIMIT $1"
 );
 
+/// A fenced write held its row if it changed exactly one.
+fn fence(rows: u64) -> Fence {
+    if rows == 1 { Fence::Held } else { Fence::Lost }
+}
+
 fn millis(d: Duration) -> f64 {
     d.as_secs_f64() * 1000.0
 }
@@ -618,6 +613,7 @@ fn key_info(r: &PgRow) -> Result<KeyInfo, sqlx::Error> {
         probe_attempts: r.try_get("probe_attempts")?,
         first_not_found_at: r.try_get("first_not_found_at")?,
         trace_context: r.try_get("trace_context")?,
+        held: r.try_get("held")?,
     })
 }
 

@@ -262,8 +262,8 @@ fn client_traceparent(headers: &http::HeaderMap) -> Option<String> {
 /// and are done in place.
 const FINGERPRINT_INLINE_UP_TO: usize = 32 * 1024;
 
-/// The request's fingerprint; large bodies off the async workers, at most one per CPU
-/// at a time (so a flood of large bodies queues here, not on the workers).
+/// The request's fingerprint; large bodies off the async workers, on at most all cores
+/// but one at a time (so a flood of large bodies queues here, not on the workers).
 async fn fingerprint(
     app: &AppState,
     method: &str,

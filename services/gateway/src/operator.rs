@@ -9,7 +9,7 @@ use serde_json::json;
 pub fn state(info: &KeyInfo) -> &'static str {
     match info.status.as_str() {
         "completed" => "completed",
-        _ if info.held() => "held",
+        _ if info.held => "held",
         _ => "in_progress",
     }
 }
