@@ -1,0 +1,97 @@
+//! A Postgres database of each test's own.
+
+use sqlx::{Connection, PgConnection};
+
+/// The server that tests create their databases on.
+pub fn admin_url() -> String {
+    std::env::var("IDEMGATE_TEST_POSTGRES")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".into())
+}
+
+/// A database of this test's own, dropped when the test ends (pass or fail).
+pub struct TestDb {
+    pub name: String,
+    pub url: String,
+}
+
+impl TestDb {
+    pub async fn create() -> Self {
+        let admin = admin_url();
+        let mut conn = PgConnection::connect(&admin).await.unwrap_or_else(|e| {
+            panic!("Postgres is not reachable at {admin} ({e}). Start it with scripts/dev-services, or set IDEMGATE_TEST_POSTGRES.")
+        });
+        let name = format!("idemgate_test_{}", uuid::Uuid::new_v4().simple());
+        sqlx::query(sqlx::AssertSqlSafe(format!("CREATE DATABASE {name}")))
+            .execute(&mut conn)
+            .await
+            .expect("create the test database");
+        let base = admin
+            .rsplit_once('/')
+            .map_or(admin.as_str(), |(base, _)| base);
+        let url = format!("{base}/{name}");
+        Self { name, url }
+    }
+
+    /// Applies idemgate's migrations (for tests that write ledger rows themselves).
+    pub async fn migrate(&self) {
+        let pool = sqlx::PgPool::connect(&self.url)
+            .await
+            .expect("connect to the test database");
+        idem_postgres::migrate(&pool)
+            .await
+            .expect("migrations apply");
+        pool.close().await;
+    }
+
+    pub async fn connect(&self) -> PgConnection {
+        PgConnection::connect(&self.url)
+            .await
+            .expect("connect to the test database")
+    }
+
+    /// Rows in `table` for a tenant and key: the number of executions.
+    pub async fn executions(&self, table: &str, tenant: &str, key: &str) -> i64 {
+        let mut conn = self.connect().await;
+        sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+            "SELECT count(*) FROM {table} WHERE tenant_id = $1 AND idempotency_key = $2"
+        )))
+        .bind(tenant)
+        .bind(key)
+        .fetch_one(&mut conn)
+        .await
+        .expect("count executions")
+    }
+
+    /// Ledger rows for a tenant (all endpoints and keys).
+    pub async fn ledger_rows(&self, tenant: &str) -> i64 {
+        let mut conn = self.connect().await;
+        sqlx::query_scalar("SELECT count(*) FROM idempotency_keys WHERE tenant_id = $1")
+            .bind(tenant)
+            .fetch_one(&mut conn)
+            .await
+            .expect("count ledger rows")
+    }
+}
+
+impl Drop for TestDb {
+    fn drop(&mut self) {
+        let name = self.name.clone();
+        // Drop runs outside any runtime we may block: use a thread with its own.
+        let _ = std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap();
+            rt.block_on(async {
+                if let Ok(mut conn) = PgConnection::connect(&admin_url()).await {
+                    let _ = sqlx::query(sqlx::AssertSqlSafe(format!(
+                        "DROP DATABASE IF EXISTS {name} WITH (FORCE)"
+                    )))
+                    .execute(&mut conn)
+                    .await;
+                }
+            });
+        })
+        .join();
+    }
+}

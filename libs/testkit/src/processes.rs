@@ -1,0 +1,301 @@
+//! The workspace's binaries as child processes of the test, and an upstream of its own.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::Stdio;
+use std::time::{Duration, SystemTime};
+
+use crate::*;
+use ::http::{HeaderMap, StatusCode};
+use bytes::Bytes;
+use tokio::io::{AsyncBufReadExt, BufReader};
+use tokio::process::{Child, Command};
+
+/// The workspace root.
+pub fn workspace() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+/// The directory holding the workspace's built binaries (next to this test binary).
+fn bin_dir() -> PathBuf {
+    let exe = std::env::current_exe().expect("test binary path");
+    exe.parent()
+        .and_then(|deps| deps.parent())
+        .expect("target dir")
+        .to_path_buf()
+}
+
+/// The path of a workspace binary, checked to exist and to be newer than its sources.
+pub fn binary(name: &str, sources: &str) -> PathBuf {
+    let path = bin_dir().join(name);
+    let built = std::fs::metadata(&path)
+        .and_then(|m| m.modified())
+        .unwrap_or_else(|_| {
+            panic!(
+                "{} not found: build it with `cargo build --workspace --bins` (scripts/test does)",
+                path.display()
+            )
+        });
+    let src = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../..")
+        .join(sources);
+    if let Some(newest) = newest_mtime(&src) {
+        assert!(
+            built >= newest,
+            "{} is older than its sources in {}: rebuild with `cargo build --workspace --bins`",
+            path.display(),
+            src.display()
+        );
+    }
+    path
+}
+
+fn newest_mtime(dir: &PathBuf) -> Option<SystemTime> {
+    let mut newest = None;
+    for entry in std::fs::read_dir(dir).ok()?.flatten() {
+        let path = entry.path();
+        let t = if path.is_dir() {
+            newest_mtime(&path)
+        } else {
+            entry.metadata().ok().and_then(|m| m.modified().ok())
+        };
+        newest = newest.max(t);
+    }
+    newest
+}
+
+/// A running payments-demo process, killed when dropped.
+pub struct Demo {
+    pub addr: SocketAddr,
+    child: Child,
+}
+
+impl Demo {
+    pub async fn start(db: &TestDb) -> Self {
+        let mut child = Command::new(binary("payments-demo", "services/payments-demo/src"))
+            .env("PAYMENTS_DEMO_LISTEN", "127.0.0.1:0")
+            .env("PAYMENTS_DEMO_DATABASE_URL", &db.url)
+            .env("RUST_LOG", "warn")
+            .stdout(Stdio::piped())
+            .kill_on_drop(true)
+            .spawn()
+            .expect("spawn payments-demo");
+        let addr = read_listen_line(&mut child, "payments-demo listening on ").await;
+        Self { addr, child }
+    }
+
+    pub fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    /// SIGKILL: the upstream is gone (connections now refused).
+    pub fn kill(&mut self) {
+        let _ = self.child.start_kill();
+    }
+}
+
+/// An upstream of the test's own, on a real socket: it answers every request with the
+/// status in `x-test-status` (default 201) and a body of `x-test-bytes` bytes (default
+/// a small JSON object), and records what it was sent, so tests can count executions
+/// and read the headers idemgate forwarded.
+pub struct TestUpstream {
+    pub addr: SocketAddr,
+    seen: std::sync::Arc<std::sync::Mutex<Vec<HeaderMap>>>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl TestUpstream {
+    pub async fn start() -> Self {
+        Self::answering(201, None).await
+    }
+
+    /// One whose answers default to `status` and a body of `bytes` bytes (when given),
+    /// for requests that carry no `x-test-*` headers (such as the reconciler's probes).
+    pub async fn answering(status: u16, bytes: Option<usize>) -> Self {
+        use axum::response::IntoResponse;
+        let seen: std::sync::Arc<std::sync::Mutex<Vec<HeaderMap>>> = Default::default();
+        let record = seen.clone();
+        let app = axum::Router::new().fallback(move |headers: HeaderMap| {
+            let record = record.clone();
+            async move {
+                let number = |name: &str| {
+                    headers
+                        .get(name)
+                        .and_then(|v| v.to_str().ok())
+                        .and_then(|v| v.parse::<usize>().ok())
+                };
+                let status =
+                    StatusCode::from_u16(number("x-test-status").unwrap_or(status as usize) as u16)
+                        .expect("a status code");
+                let body = match number("x-test-bytes").or(bytes) {
+                    // A pattern, so a truncated or reordered body is noticed.
+                    Some(n) => Bytes::from((0..n).map(|i| (i % 251) as u8).collect::<Vec<_>>()),
+                    None => Bytes::from_static(br#"{"ok":true}"#),
+                };
+                let delay = number("x-test-delay-ms");
+                record.lock().unwrap().push(headers);
+                if let Some(ms) = delay {
+                    tokio::time::sleep(Duration::from_millis(ms as u64)).await;
+                }
+                (status, body).into_response()
+            }
+        });
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let task = tokio::spawn(async move {
+            axum::serve(listener, app).await.unwrap();
+        });
+        Self { addr, seen, task }
+    }
+
+    pub fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    /// How many requests reached it.
+    pub fn calls(&self) -> usize {
+        self.seen.lock().unwrap().len()
+    }
+
+    /// The headers of every request it received, in order.
+    pub fn seen(&self) -> Vec<HeaderMap> {
+        self.seen.lock().unwrap().clone()
+    }
+
+    /// The body `x-test-bytes: n` makes it send.
+    pub fn body_of(n: usize) -> Bytes {
+        Bytes::from((0..n).map(|i| (i % 251) as u8).collect::<Vec<_>>())
+    }
+}
+
+impl Drop for TestUpstream {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// Reads the child's stdout until the line announcing its address.
+pub async fn read_listen_line(child: &mut Child, prefix: &str) -> SocketAddr {
+    let stdout = child.stdout.take().expect("piped stdout");
+    let mut lines = BufReader::new(stdout).lines();
+    let line = tokio::time::timeout(Duration::from_secs(20), async {
+        while let Some(line) = lines.next_line().await.expect("read stdout") {
+            if let Some(addr) = line.strip_prefix(prefix) {
+                return addr.to_owned();
+            }
+        }
+        panic!("process exited before announcing its address");
+    })
+    .await
+    .expect("process announced its address in time");
+    // Keep draining stdout so the child never blocks on a full pipe.
+    tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
+    line.parse().expect("a socket address")
+}
+
+/// A free TCP port on 127.0.0.1 (and, for cluster nodes, its bus port + 10000 too).
+pub fn free_port(with_bus: bool) -> u16 {
+    loop {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        if !with_bus {
+            return port;
+        }
+        if port < 55_000 && std::net::TcpListener::bind(("127.0.0.1", port + 10_000)).is_ok() {
+            return port;
+        }
+    }
+}
+
+/// Writes `text` to a config file of its own and returns the path.
+pub fn config_file(text: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("idemgate-test-{}", uuid::Uuid::new_v4().simple()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("idemgate.toml");
+    std::fs::write(&path, text).unwrap();
+    path
+}
+
+/// Sends a signal to a process of ours (`STOP`, `CONT`, `KILL`, `TERM`).
+pub fn signal(pid: u32, name: &str) {
+    let status = std::process::Command::new("kill")
+        .arg(format!("-{name}"))
+        .arg(pid.to_string())
+        .status()
+        .expect("run kill");
+    assert!(status.success(), "kill -{name} {pid}");
+}
+
+/// An `idemgate serve` process (for tests that kill or pause it), killed when dropped.
+pub struct GatewayProcess {
+    pub addr: SocketAddr,
+    child: Child,
+}
+
+impl GatewayProcess {
+    pub async fn start(config_text: &str) -> Self {
+        Self::start_with_env(config_text, &[]).await
+    }
+
+    pub async fn start_with_env(config_text: &str, env: &[(&str, &str)]) -> Self {
+        let path = config_file(config_text);
+        let mut child = Command::new(binary("idemgate", "services/gateway/src"))
+            .arg("serve")
+            .arg("--config")
+            .arg(&path)
+            .envs(env.iter().copied())
+            .env(
+                "RUST_LOG",
+                std::env::var("IDEMGATE_TEST_LOG").unwrap_or_else(|_| "error".into()),
+            )
+            .stdout(Stdio::piped())
+            .kill_on_drop(true)
+            .spawn()
+            .expect("spawn idemgate");
+        let addr = read_listen_line(&mut child, "idemgate listening on ").await;
+        Self { addr, child }
+    }
+
+    pub fn url(&self, path: &str) -> String {
+        format!("http://{}{}", self.addr, path)
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.id().expect("running")
+    }
+
+    /// SIGKILL, and wait until it is gone.
+    pub async fn kill(&mut self) {
+        let _ = self.child.start_kill();
+        let _ = self.child.wait().await;
+    }
+}
+
+/// The output of one `idemgate-reconciler --once` pass.
+#[derive(Debug)]
+pub struct Pass {
+    pub success: bool,
+    pub stdout: String,
+    pub stderr: String,
+}
+
+/// Runs one reconciler pass (`--once`) with this config and waits for it.
+pub async fn reconcile_once(config_text: &str) -> Pass {
+    let path = config_file(config_text);
+    let output = Command::new(binary("idemgate-reconciler", "services/reconciler/src"))
+        .arg("--config")
+        .arg(&path)
+        .arg("--once")
+        .env("RUST_LOG", "info")
+        .output()
+        .await
+        .expect("run idemgate-reconciler");
+    Pass {
+        success: output.status.success(),
+        stdout: String::from_utf8_lossy(&output.stdout).into_owned(),
+        stderr: String::from_utf8_lossy(&output.stderr).into_owned(),
+    }
+}

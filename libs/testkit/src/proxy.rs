@@ -1,0 +1,150 @@
+//! A TCP proxy that puts the network's faults between a process and a server.
+//!
+//! A real partition rarely closes a connection: packets just stop arriving, and the
+//! peer learns nothing until some timeout of its own fires. [`FaultProxy`] does the
+//! same on loopback: in [`Fault::Blackhole`] it keeps every connection open and
+//! forwards nothing (what was sent is held and delivered when the fault heals, as TCP
+//! would retransmit it); [`Fault::StallOpen`] does that only to connections opened
+//! before the fault (a NAT or firewall that forgot them, while new ones work); and
+//! [`Fault::Latency`] delays every chunk in both directions.
+//!
+//! The tests use it in-process; `idem-faultproxy` wraps it in a small binary for
+//! `loadtest/chaos`, steered over a control port.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::watch;
+
+/// What the proxy does to the bytes it carries.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fault {
+    /// Forward everything at once.
+    None,
+    /// Forward nothing, close nothing: every connection, old and new, goes silent.
+    Blackhole,
+    /// Connections opened before the fault go silent; new ones pass.
+    StallOpen { opened_before: u64 },
+    /// Hold every chunk this long before forwarding it.
+    Latency(Duration),
+}
+
+/// A proxy from its own port on 127.0.0.1 to `target`, stopped when dropped.
+pub struct FaultProxy {
+    pub addr: SocketAddr,
+    fault: watch::Sender<Fault>,
+    opened: Arc<AtomicU64>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl FaultProxy {
+    pub async fn start(target: SocketAddr) -> Self {
+        Self::listen("127.0.0.1:0".parse().unwrap(), target).await
+    }
+
+    pub async fn listen(listen: SocketAddr, target: SocketAddr) -> Self {
+        let listener = TcpListener::bind(listen)
+            .await
+            .expect("bind the fault proxy");
+        let addr = listener.local_addr().unwrap();
+        let (fault, watching) = watch::channel(Fault::None);
+        let opened = Arc::new(AtomicU64::new(0));
+        let counter = opened.clone();
+        let task = tokio::spawn(async move {
+            while let Ok((client, _)) = listener.accept().await {
+                let id = counter.fetch_add(1, Ordering::SeqCst);
+                tokio::spawn(carry(client, target, id, watching.clone()));
+            }
+        });
+        Self {
+            addr,
+            fault,
+            opened,
+            task,
+        }
+    }
+
+    /// Sets the fault from now on (for bytes not yet forwarded, too).
+    pub fn set(&self, fault: Fault) {
+        self.fault.send_replace(fault);
+    }
+
+    /// How many connections the proxy has accepted so far.
+    pub fn opened(&self) -> u64 {
+        self.opened.load(Ordering::SeqCst)
+    }
+
+    /// [`Fault::StallOpen`] for the connections open now.
+    pub fn stall_open(&self) {
+        self.set(Fault::StallOpen {
+            opened_before: self.opened(),
+        });
+    }
+
+    pub fn heal(&self) {
+        self.set(Fault::None);
+    }
+}
+
+impl Drop for FaultProxy {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// One proxied connection: a pump each way, until either side closes.
+async fn carry(client: TcpStream, target: SocketAddr, id: u64, fault: watch::Receiver<Fault>) {
+    // Connecting is held by a fault like any byte: a blackholed SYN never comes back.
+    let Some(()) = pass(&mut fault.clone(), id).await else {
+        return;
+    };
+    let Ok(server) = TcpStream::connect(target).await else {
+        return; // the client sees its connection close, as with a refused one
+    };
+    let _ = client.set_nodelay(true);
+    let _ = server.set_nodelay(true);
+    let (client_read, client_write) = client.into_split();
+    let (server_read, server_write) = server.into_split();
+    tokio::select! {
+        () = pump(client_read, server_write, id, fault.clone()) => {}
+        () = pump(server_read, client_write, id, fault) => {}
+    }
+}
+
+async fn pump(
+    mut from: tokio::net::tcp::OwnedReadHalf,
+    mut to: tokio::net::tcp::OwnedWriteHalf,
+    id: u64,
+    mut fault: watch::Receiver<Fault>,
+) {
+    let mut buf = vec![0u8; 16 * 1024];
+    loop {
+        let n = match from.read(&mut buf).await {
+            Ok(0) | Err(_) => return,
+            Ok(n) => n,
+        };
+        if pass(&mut fault, id).await.is_none() || to.write_all(&buf[..n]).await.is_err() {
+            return;
+        }
+    }
+}
+
+/// Waits until connection `id` may forward its next chunk; `None` once the proxy is gone.
+async fn pass(fault: &mut watch::Receiver<Fault>, id: u64) -> Option<()> {
+    loop {
+        let now = *fault.borrow_and_update();
+        match now {
+            Fault::None => return Some(()),
+            Fault::StallOpen { opened_before } if id >= opened_before => return Some(()),
+            Fault::Latency(delay) => {
+                tokio::time::sleep(delay).await;
+                return Some(());
+            }
+            Fault::Blackhole | Fault::StallOpen { .. } => fault.changed().await.ok()?,
+        }
+    }
+}
