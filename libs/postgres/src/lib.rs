@@ -43,6 +43,7 @@ pub async fn connect(url: &str, settings: &PoolSettings) -> Result<PgPool, sqlx:
             "statement_timeout",
             format!("{}ms", settings.statement_timeout.as_millis()),
         )]);
+    let ping_timeout = settings.acquire_timeout / PING_SHARE_OF_ACQUIRE;
     PgPoolOptions::new()
         .max_connections(settings.max_connections)
         .acquire_timeout(settings.acquire_timeout)
@@ -51,10 +52,19 @@ pub async fn connect(url: &str, settings: &PoolSettings) -> Result<PgPool, sqlx:
         // connection that answered a moment ago needs no proof of life; one that sat
         // idle (across a restart, a failover, an idle-killing proxy) still gets it.
         .test_before_acquire(false)
-        .before_acquire(|conn, meta| {
+        .before_acquire(move |conn, meta| {
             Box::pin(async move {
                 if meta.idle_for >= PING_IF_IDLE_FOR {
-                    conn.ping().await?;
+                    // A connection a middlebox forgot never answers and never closes: give
+                    // up on it in time for a fresh one (an error drops it unclosed).
+                    tokio::time::timeout(ping_timeout, conn.ping())
+                        .await
+                        .map_err(|_| {
+                            sqlx::Error::Io(std::io::Error::new(
+                                std::io::ErrorKind::TimedOut,
+                                format!("an idle connection did not answer a ping within {ping_timeout:?}"),
+                            ))
+                        })??;
                 }
                 Ok(true)
             })
@@ -65,6 +75,10 @@ pub async fn connect(url: &str, settings: &PoolSettings) -> Result<PgPool, sqlx:
 
 /// A pooled connection idle for this long is pinged before it is handed out.
 const PING_IF_IDLE_FOR: Duration = Duration::from_secs(1);
+
+/// That ping may take this share of the acquire timeout; the rest is left for opening
+/// a new connection in place of one that did not answer.
+const PING_SHARE_OF_ACQUIRE: u32 = 4;
 
 /// Applies pending migrations. Safe to run from several processes at once (the
 /// migrator takes an advisory lock).
