@@ -8,9 +8,9 @@ use std::time::Duration;
 use bytes::Bytes;
 use idem_core::policy::default_release_statuses;
 use idem_core::{
-    AttemptId, BodyKind, Claim, ClaimResult, Engine, Execution, Fence, Fingerprint, IdempotencyKey,
-    Ledger, LedgerError, OnInProgress, Outcome, Policy, Record, RecordState, Request, Scope,
-    StoredResponse, UnknownCause,
+    AttemptId, BodyKind, Cache, CacheEntry, CacheProbe, Claim, ClaimResult, Engine, Execution,
+    Fence, Fingerprint, IdempotencyKey, Ledger, LedgerError, OnInProgress, Outcome, Policy, Record,
+    RecordState, Request, Scope, StoredResponse, UnknownCause,
 };
 
 #[derive(Clone, Default)]
@@ -160,8 +160,8 @@ fn answered(status: u16, body: &'static str) -> Execution<u16> {
     }
 }
 
-async fn run(
-    engine: &Engine<MemLedger>,
+async fn run<C: Cache>(
+    engine: &Engine<MemLedger, C>,
     body: &str,
     wait: Option<Duration>,
     result: Execution<u16>,
@@ -170,8 +170,8 @@ async fn run(
 }
 
 /// [`run`] under another route policy.
-async fn run_under(
-    engine: &Engine<MemLedger>,
+async fn run_under<C: Cache>(
+    engine: &Engine<MemLedger, C>,
     policy: &Policy,
     body: &str,
     wait: Option<Duration>,
@@ -492,8 +492,8 @@ async fn a_wait_that_times_out_reports_in_progress() {
 
 #[tokio::test]
 async fn peek_answers_from_the_in_process_cache_only() {
+    use idem_core::NoCache;
     use idem_core::local::{Bounds, Local};
-    use idem_core::{Cache, CacheEntry, NoCache};
     let engine = Engine::with_cache(
         MemLedger::default(),
         Local::new(
@@ -536,4 +536,198 @@ async fn peek_answers_from_the_in_process_cache_only() {
         0,
         "no ledger call"
     );
+}
+
+/// A cache that answers every probe as the test says and records what the engine
+/// asked of it: the fast path's branches without Redis.
+#[derive(Default)]
+struct FakeCache {
+    answer: Mutex<Option<FakeProbe>>,
+    calls: Mutex<Vec<String>>,
+}
+
+#[derive(Clone)]
+enum FakeProbe {
+    Completed(CacheEntry),
+    Locked(Duration),
+    Acquired,
+    Unavailable,
+}
+
+impl FakeCache {
+    fn answering(probe: FakeProbe) -> Self {
+        let cache = Self::default();
+        cache.answer(probe);
+        cache
+    }
+
+    fn answer(&self, probe: FakeProbe) {
+        *self.answer.lock().unwrap() = Some(probe);
+    }
+
+    fn calls(&self) -> Vec<String> {
+        std::mem::take(&mut self.calls.lock().unwrap())
+    }
+
+    fn note(&self, call: String) {
+        self.calls.lock().unwrap().push(call);
+    }
+}
+
+impl Cache for FakeCache {
+    async fn probe(&self, _: &Scope, attempt: AttemptId, _: Duration) -> CacheProbe {
+        self.note(format!("probe {}", attempt.0));
+        match self.answer.lock().unwrap().clone().expect("an answer set") {
+            FakeProbe::Completed(entry) => CacheProbe::Completed(entry, None),
+            FakeProbe::Locked(held_for) => CacheProbe::Locked { held_for },
+            FakeProbe::Acquired => CacheProbe::Acquired,
+            FakeProbe::Unavailable => CacheProbe::Unavailable,
+        }
+    }
+    async fn fill(&self, _: &Scope, entry: &CacheEntry, _: Duration) {
+        self.note(format!("fill {}", entry.response.status));
+    }
+    async fn complete(&self, _: &Scope, attempt: AttemptId, entry: &CacheEntry, _: Duration) {
+        self.note(format!("complete {} {}", attempt.0, entry.response.status));
+    }
+    async fn unlock(&self, _: &Scope, attempt: AttemptId) {
+        self.note(format!("unlock {}", attempt.0));
+    }
+    async fn changed(&self, _: &Scope) {
+        std::future::pending().await
+    }
+}
+
+/// The attempt the engine probed with (the first call).
+fn probed_attempt(calls: &[String]) -> &str {
+    calls[0]
+        .strip_prefix("probe ")
+        .expect("the probe comes first")
+}
+
+#[tokio::test]
+async fn a_cached_completion_answers_without_the_ledger_after_a_fingerprint_check() {
+    let paid = CacheEntry {
+        fingerprint: fp(r#"{"a":1}"#),
+        response: response(201, "paid"),
+        trace_context: None,
+    };
+    let engine = Engine::with_cache(
+        MemLedger::default(),
+        FakeCache::answering(FakeProbe::Completed(paid)),
+    );
+    let (same, ran) = run(&engine, r#"{"a":1}"#, None, answered(201, "again")).await;
+    assert!(!ran);
+    assert!(matches!(same, Outcome::Replayed { ref response, .. } if response.body == "paid"));
+    let (other, ran) = run(&engine, r#"{"a":2}"#, None, answered(201, "again")).await;
+    assert!(!ran);
+    assert!(
+        matches!(
+            other,
+            Outcome::Mismatch {
+                completed: true,
+                ..
+            }
+        ),
+        "a cached answer is never replayed to a different payload: {other:?}"
+    );
+    assert_eq!(engine.ledger().claims.load(Ordering::SeqCst), 0);
+}
+
+#[tokio::test]
+async fn a_young_lock_turns_a_retry_away_and_an_old_one_asks_the_ledger() {
+    let engine = Engine::with_cache(
+        MemLedger::default(),
+        FakeCache::answering(FakeProbe::Acquired),
+    );
+    run(&engine, r#"{"a":1}"#, None, answered(201, "paid")).await;
+    engine.cache().calls();
+    let claims = || engine.ledger().claims.load(Ordering::SeqCst);
+
+    engine
+        .cache()
+        .answer(FakeProbe::Locked(Duration::from_millis(200)));
+    let (young, ran) = run(&engine, r#"{"a":1}"#, None, answered(201, "again")).await;
+    assert!(!ran);
+    assert!(matches!(young, Outcome::InProgress { .. }), "{young:?}");
+    assert_eq!(claims(), 1, "a young lock is trusted: no ledger call");
+    engine.cache().calls();
+
+    // A lock older than a second may outlive its attempt (a crash between the commit
+    // and the unlock): the ledger knows the row completed.
+    engine
+        .cache()
+        .answer(FakeProbe::Locked(Duration::from_secs(2)));
+    let (old, ran) = run(&engine, r#"{"a":1}"#, None, answered(201, "again")).await;
+    assert!(!ran);
+    assert!(matches!(old, Outcome::Replayed { ref response, .. } if response.body == "paid"));
+    assert_eq!(claims(), 2);
+    let calls = engine.cache().calls();
+    assert_eq!(calls[1..], ["fill 201"], "the replay is cached again");
+}
+
+#[tokio::test]
+async fn an_acquired_lock_is_handed_over_with_the_result_or_dropped() {
+    let engine = Engine::with_cache(
+        MemLedger::default(),
+        FakeCache::answering(FakeProbe::Acquired),
+    );
+    let (done, _) = run(&engine, r#"{"a":1}"#, None, answered(201, "paid")).await;
+    assert!(matches!(done, Outcome::Executed { recorded: true, .. }));
+    let calls = engine.cache().calls();
+    let attempt = probed_attempt(&calls);
+    assert_eq!(calls[1..], [format!("complete {attempt} 201")], "{calls:?}");
+
+    // Released (a 429 proves nothing ran): the lock goes, no result is cached.
+    let released = Scope::new(
+        "acme",
+        "POST /payments",
+        IdempotencyKey::parse(b"k-2").unwrap(),
+    );
+    let fingerprint = fp(r#"{"a":1}"#);
+    let policy = policy();
+    let request = Request {
+        scope: &released,
+        fingerprint: &fingerprint,
+        policy: &policy,
+        wait: None,
+        trace_context: None,
+    };
+    engine
+        .run(request, |_| async { answered(429, "slow down") })
+        .await
+        .unwrap();
+    let calls = engine.cache().calls();
+    assert_eq!(calls[1..], [format!("unlock {}", probed_attempt(&calls))]);
+
+    // The lock was free but the ledger has the row (Redis lost its copy): the lock is
+    // dropped and the ledger's answer replayed.
+    let (replay, ran) = run(&engine, r#"{"a":1}"#, None, answered(201, "again")).await;
+    assert!(!ran);
+    assert!(matches!(replay, Outcome::Replayed { .. }));
+    let calls = engine.cache().calls();
+    assert_eq!(
+        calls[1..],
+        [
+            format!("unlock {}", probed_attempt(&calls)),
+            "fill 201".into()
+        ]
+    );
+}
+
+#[tokio::test]
+async fn an_unavailable_cache_leaves_every_decision_to_the_ledger() {
+    let engine = Engine::with_cache(
+        MemLedger::default(),
+        FakeCache::answering(FakeProbe::Unavailable),
+    );
+    let (first, ran) = run(&engine, r#"{"a":1}"#, None, answered(201, "paid")).await;
+    assert!(ran && matches!(first, Outcome::Executed { .. }));
+    let (again, ran) = run(&engine, r#"{"a":1}"#, None, answered(201, "again")).await;
+    assert!(
+        !ran && matches!(again, Outcome::Replayed { ref response, .. } if response.body == "paid")
+    );
+    let (other, ran) = run(&engine, r#"{"a":2}"#, None, answered(201, "again")).await;
+    assert!(!ran && matches!(other, Outcome::Mismatch { .. }));
+    assert_eq!(engine.ledger().claims.load(Ordering::SeqCst), 3);
 }
