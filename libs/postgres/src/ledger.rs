@@ -360,6 +360,7 @@ impl Ledger for PgLedger {
         response: &StoredResponse,
         ttl: Duration,
     ) -> Result<Fence, LedgerError> {
+        crate::failpoint::stop_here("stop-before-complete");
         let statement = Self::on(COMPLETE_SQL, scope)
             .bind(attempt.0)
             .bind(i32::from(response.status))

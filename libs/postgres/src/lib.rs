@@ -9,6 +9,7 @@
 //! - [`connect`] and [`migrate`]: the pool and the embedded migrations of `migrations/`.
 #![forbid(unsafe_code)]
 
+mod failpoint;
 pub mod headers;
 pub mod ledger;
 
