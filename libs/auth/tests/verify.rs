@@ -405,6 +405,7 @@ fn a_remembered_token_still_expires() {
     let token = hs256(&claims(json!({"exp": now() + 2})));
     assert!(auth.verify(&token).is_ok());
     assert!(auth.verify(&token).is_ok(), "served from memory");
+    // Real time: a token's exp is judged by the system clock, in whole seconds.
     std::thread::sleep(Duration::from_millis(3100));
     assert_eq!(auth.verify(&token), Err(AuthError::Expired));
 }

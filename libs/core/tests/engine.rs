@@ -416,7 +416,7 @@ async fn a_lost_fence_changes_nothing() {
     );
 }
 
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn a_waiting_retry_gets_the_replay_when_the_first_attempt_completes() {
     let ledger = MemLedger::default();
     let engine = Engine::new(ledger.clone());
@@ -424,7 +424,7 @@ async fn a_waiting_retry_gets_the_replay_when_the_first_attempt_completes() {
     let completer = {
         let ledger = ledger.clone();
         tokio::spawn(async move {
-            tokio::time::sleep(Duration::from_millis(80)).await;
+            tokio::time::sleep(Duration::from_millis(80)).await; // paused time: no real wait
             for row in ledger.rows.lock().unwrap().values_mut() {
                 row.state = RecordState::Completed(response(201, "done"));
             }
@@ -444,7 +444,7 @@ async fn a_waiting_retry_gets_the_replay_when_the_first_attempt_completes() {
     );
 }
 
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn a_waiting_retry_executes_itself_if_the_first_attempt_released_the_key() {
     let ledger = MemLedger::default();
     let engine = Engine::new(ledger.clone());
@@ -452,7 +452,7 @@ async fn a_waiting_retry_executes_itself_if_the_first_attempt_released_the_key()
     let releaser = {
         let ledger = ledger.clone();
         tokio::spawn(async move {
-            tokio::time::sleep(Duration::from_millis(80)).await;
+            tokio::time::sleep(Duration::from_millis(80)).await; // paused time: no real wait
             ledger.rows.lock().unwrap().clear();
         })
     };
@@ -468,7 +468,7 @@ async fn a_waiting_retry_executes_itself_if_the_first_attempt_released_the_key()
     assert!(matches!(outcome, Outcome::Executed { recorded: true, .. }));
 }
 
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn a_wait_that_times_out_reports_in_progress() {
     let ledger = MemLedger::default();
     let engine = Engine::new(ledger.clone());

@@ -55,6 +55,7 @@ async fn a_completion_after_the_reconciler_resolved_the_row_is_fenced_out() {
     let scope = scope("fenced");
     let (attempt, claimed) = claim(&ledger, &scope, Duration::from_millis(1)).await;
     assert!(matches!(claimed, ClaimResult::Claimed));
+    // Real time: Postgres's clock judges the 1 ms lease.
     tokio::time::sleep(Duration::from_millis(20)).await;
 
     let stuck = ledger
@@ -89,6 +90,7 @@ async fn a_resolution_after_the_gateway_finished_changes_nothing() {
     let ledger = ledger(&db).await;
     let scope = scope("raced");
     let (attempt, _) = claim(&ledger, &scope, Duration::from_millis(1)).await;
+    // Real time: Postgres's clock judges the 1 ms lease.
     tokio::time::sleep(Duration::from_millis(20)).await;
     let stuck = ledger
         .take_stuck(10, Duration::from_secs(30))
@@ -125,6 +127,7 @@ async fn a_taken_row_is_invisible_to_other_reconcilers_until_its_processing_leas
     let db = TestDb::create().await;
     let ledger = ledger(&db).await;
     claim(&ledger, &scope("taken"), Duration::from_millis(1)).await;
+    // Real time: Postgres's clock judges the 1 ms lease.
     tokio::time::sleep(Duration::from_millis(20)).await;
     let first = ledger
         .take_stuck(10, Duration::from_millis(300))
@@ -135,6 +138,7 @@ async fn a_taken_row_is_invisible_to_other_reconcilers_until_its_processing_leas
         .await
         .unwrap();
     assert_eq!((first.len(), second.len()), (1, 0));
+    // Real time: Postgres's clock judges the processing lease.
     tokio::time::sleep(Duration::from_millis(400)).await;
     let later = ledger
         .take_stuck(10, Duration::from_millis(300))
@@ -208,6 +212,7 @@ async fn a_connection_cut_while_idle_is_replaced_before_a_request_uses_it() {
         .unwrap();
     assert!(cut, "the pooled connection should have been terminated");
     admin.close().await;
+    // Real time: sqlx judges idleness by the real clock; only an idle connection is pinged.
     tokio::time::sleep(Duration::from_millis(1200)).await;
 
     let (_, claimed) = claim(&ledger, &scope("after-cut"), Duration::from_secs(30)).await;
@@ -272,6 +277,7 @@ async fn an_in_progress_row_never_expires_and_is_never_purged() {
         .execute(&mut conn)
         .await
         .unwrap();
+    // Real time: Postgres's clock judges expiry.
     tokio::time::sleep(Duration::from_millis(20)).await;
     assert_eq!(ledger.purge_batch(100).await.unwrap(), 0);
     let (_, again) = claim(&ledger, &scope, Duration::from_secs(30)).await;

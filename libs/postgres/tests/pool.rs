@@ -37,7 +37,7 @@ async fn an_idle_connection_gone_silent_is_replaced_within_the_acquire_timeout()
         .unwrap();
     assert_eq!(one, 1);
 
-    // A real sleep: sqlx judges idleness by the real clock, and only a connection idle
+    // Real time: sqlx judges idleness by the real clock, and only a connection idle
     // this long is pinged.
     tokio::time::sleep(Duration::from_millis(1100)).await;
     proxy.stall_open();

@@ -184,6 +184,7 @@ pub async fn in_flight<T: Send + 'static>(
     head_start: Duration,
 ) -> tokio::task::JoinHandle<T> {
     let task = tokio::spawn(request);
+    // Real time: the request is on its way to another task or process.
     tokio::time::sleep(head_start).await;
     task
 }

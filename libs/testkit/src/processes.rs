@@ -135,6 +135,7 @@ impl TestUpstream {
                 let delay = number("x-test-delay-ms");
                 record.lock().unwrap().push(headers);
                 if let Some(ms) = delay {
+                    // Real time: the delay a test asked this upstream for.
                     tokio::time::sleep(Duration::from_millis(ms as u64)).await;
                 }
                 (status, body).into_response()
@@ -208,15 +209,6 @@ pub fn free_port(with_bus: bool) -> u16 {
             return port;
         }
     }
-}
-
-/// Writes `text` to a config file of its own and returns the path.
-pub fn config_file(text: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("idemgate-test-{}", uuid::Uuid::new_v4().simple()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let path = dir.join("idemgate.toml");
-    std::fs::write(&path, text).unwrap();
-    path
 }
 
 /// Sends a signal to a process of ours (`STOP`, `CONT`, `KILL`, `TERM`).

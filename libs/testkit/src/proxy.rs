@@ -141,6 +141,7 @@ async fn pass(fault: &mut watch::Receiver<Fault>, id: u64) -> Option<()> {
             Fault::None => return Some(()),
             Fault::StallOpen { opened_before } if id >= opened_before => return Some(()),
             Fault::Latency(delay) => {
+                // The latency this proxy was asked to add.
                 tokio::time::sleep(delay).await;
                 return Some(());
             }

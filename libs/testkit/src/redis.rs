@@ -61,6 +61,7 @@ impl RedisServer {
                 "redis-server on port {} did not answer",
                 self.port
             );
+            // Real time: polling a redis-server process that is starting.
             std::thread::sleep(Duration::from_millis(20));
         }
     }

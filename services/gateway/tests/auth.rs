@@ -50,7 +50,7 @@ fn unsigned(claims: &Value) -> String {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_refused_token_is_401_and_claims_nothing() {
-    let (db, gw, http) = setup("").await;
+    let (db, gw, http) = setup().await;
     let exp = now() + 300;
     let cases: Vec<(&str, Option<String>)> = vec![
         ("no Authorization header", None),
@@ -155,7 +155,7 @@ async fn every_refused_token_is_401_and_claims_nothing() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn plain_routes_are_authenticated_too() {
-    let (_db, gw, _http) = setup("").await;
+    let (_db, gw, _http) = setup().await;
     let answer = Http::default()
         .get(&gw.url("/payments/by-key/x"))
         .send()

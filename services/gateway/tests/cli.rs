@@ -2,6 +2,8 @@
 
 use std::process::Command;
 
+use idem_testkit::{Route, TestConfig};
+
 fn idemgate(args: &[&str], config: &str) -> (bool, String, String) {
     idemgate_env(args, config, &[])
 }
@@ -27,21 +29,24 @@ fn idemgate_env(args: &[&str], config: &str, env: &[(&str, &str)]) -> (bool, Str
     )
 }
 
-const GOOD: &str = r#"
-[postgres]
-url = "postgres://postgres@127.0.0.1:5432/idemgate"
-[auth]
-hs256_secret = "dev-secret-123"
-[[routes]]
-method = "POST"
-path = "/payments"
-upstream = "http://127.0.0.1:9090"
-idempotent = true
-"#;
+/// A good file, as a user writes it: Postgres, a secret and one route, all else default.
+fn good() -> TestConfig {
+    TestConfig::bare()
+        .set(
+            "postgres.url",
+            "postgres://postgres@127.0.0.1:5432/idemgate",
+        )
+        .set("auth.hs256_secret", "dev-secret-123")
+        .route(good_route())
+}
+
+fn good_route() -> Route {
+    Route::plain("POST", "/payments", "http://127.0.0.1:9090").set("idempotent", true)
+}
 
 #[test]
 fn check_config_accepts_a_good_file() {
-    let (ok, stdout, stderr) = idemgate(&["check-config"], GOOD);
+    let (ok, stdout, stderr) = idemgate(&["check-config"], &good().toml());
     assert!(ok, "{stderr}");
     assert!(
         stdout.contains("OK") && stdout.contains("POST /payments"),
@@ -53,7 +58,14 @@ fn check_config_accepts_a_good_file() {
 fn check_config_names_an_unknown_key() {
     let (ok, _, stderr) = idemgate(
         &["check-config"],
-        &GOOD.replace("idempotent = true", "idempotent = true\nretry = 3"),
+        &TestConfig::bare()
+            .set(
+                "postgres.url",
+                "postgres://postgres@127.0.0.1:5432/idemgate",
+            )
+            .set("auth.hs256_secret", "dev-secret-123")
+            .route(good_route().set("retry", 3))
+            .toml(),
     );
     assert!(!ok);
     assert!(stderr.contains("routes[0].retry"), "{stderr}");
@@ -63,7 +75,7 @@ fn check_config_names_an_unknown_key() {
 fn check_config_names_a_bad_duration() {
     let (ok, _, stderr) = idemgate(
         &["check-config"],
-        &format!("{GOOD}\n[idempotency]\nlease = \"half a minute\""),
+        &good().set("idempotency.lease", "half a minute").toml(),
     );
     assert!(!ok);
     assert!(stderr.contains("idempotency.lease"), "{stderr}");
@@ -75,7 +87,7 @@ fn check_config_refuses_a_timeout_and_ledger_call_that_outlast_the_lease() {
     // 10 s (the route's default timeout) + 2 s + 5 s is not shorter than 15 s.
     let (ok, _, stderr) = idemgate(
         &["check-config"],
-        &format!("{GOOD}\n[idempotency]\nlease = \"15s\""),
+        &good().set("idempotency.lease", "15s").toml(),
     );
     assert!(!ok);
     assert!(
@@ -84,7 +96,7 @@ fn check_config_refuses_a_timeout_and_ledger_call_that_outlast_the_lease() {
     );
     let (ok, _, stderr) = idemgate(
         &["check-config"],
-        &format!("{GOOD}\n[idempotency]\nlease = \"18s\""),
+        &good().set("idempotency.lease", "18s").toml(),
     );
     assert!(ok, "{stderr}");
 }
@@ -93,10 +105,10 @@ fn check_config_refuses_a_timeout_and_ledger_call_that_outlast_the_lease() {
 fn check_config_checks_the_auth_keys() {
     let (ok, _, stderr) = idemgate(
         &["check-config"],
-        &GOOD.replace(
-            "hs256_secret = \"dev-secret-123\"",
-            "public_key_pem_file = \"/nonexistent/key.pem\"",
-        ),
+        &good()
+            .unset("auth.hs256_secret")
+            .set("auth.public_key_pem_file", "/nonexistent/key.pem")
+            .toml(),
     );
     assert!(!ok);
     assert!(stderr.contains("auth.public_key_pem_file"), "{stderr}");
@@ -115,9 +127,12 @@ fn the_dev_config_is_valid() {
 
 #[test]
 fn token_mints_a_verifiable_dev_token() {
-    let (ok, stdout, stderr) = idemgate(&["token", "--tenant", "acme", "--ttl", "5m"], GOOD);
+    let (ok, stdout, stderr) = idemgate(
+        &["token", "--tenant", "acme", "--ttl", "5m"],
+        &good().toml(),
+    );
     assert!(ok, "{stderr}");
-    let config = idemgate::Config::from_toml(GOOD).unwrap();
+    let config = idemgate::Config::from_toml(&good().toml()).unwrap();
     let auth = idem_auth::Authenticator::from_config(&config.auth).unwrap();
     assert_eq!(auth.verify(stdout.trim()).unwrap().0, "acme");
 }
@@ -126,14 +141,14 @@ fn token_mints_a_verifiable_dev_token() {
 fn environment_variables_override_the_file() {
     let (ok, _, stderr) = idemgate_env(
         &["check-config"],
-        GOOD,
+        &good().toml(),
         &[("IDEMGATE_SERVER__LISTEN", "not-an-address")],
     );
     assert!(!ok);
     assert!(stderr.contains("server.listen"), "{stderr}");
     let (ok, _, stderr) = idemgate_env(
         &["check-config"],
-        GOOD,
+        &good().toml(),
         &[("IDEMGATE_IDEMPOTENCY__LEASE", "5s")],
     );
     assert!(
@@ -142,6 +157,10 @@ fn environment_variables_override_the_file() {
     );
     assert!(stderr.contains("routes[0].timeout"), "{stderr}");
     // Variables without a section separator are not config keys (IDEMGATE_LOG_FORMAT).
-    let (ok, _, stderr) = idemgate_env(&["check-config"], GOOD, &[("IDEMGATE_LOG_FORMAT", "json")]);
+    let (ok, _, stderr) = idemgate_env(
+        &["check-config"],
+        &good().toml(),
+        &[("IDEMGATE_LOG_FORMAT", "json")],
+    );
     assert!(ok, "{stderr}");
 }

@@ -12,7 +12,7 @@ use http::StatusCode;
 /// replayed like any answer, so a retry never runs the payment again on a guess.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_upstream_500_is_kept_and_replayed_on_a_route_without_a_probe() {
-    let (db, gw, http) = setup("").await;
+    let (db, gw, http) = setup().await;
     let key = new_key();
     let failed = http
         .post(&gw.url("/payments"))
@@ -48,10 +48,8 @@ async fn an_unreachable_upstream_gives_502_and_releases_the_key() {
         .unwrap()
         .local_addr()
         .unwrap();
-    let routes = format!(
-        "[[routes]]\nmethod = \"POST\"\npath = \"/payments\"\nupstream = \"http://{closed}\"\nidempotent = true\ntimeout = \"5s\""
-    );
-    let gw = Gateway::start(config(&db, &routes)).await;
+    let route = Route::idempotent("POST", "/payments", &format!("http://{closed}"));
+    let gw = Gateway::start(config(TestConfig::new(&db).route(route))).await;
     let http = Http::default();
     let key = new_key();
     for _ in 0..2 {
@@ -70,7 +68,8 @@ async fn an_unreachable_upstream_gives_502_and_releases_the_key() {
 async fn an_upstream_timeout_gives_504_and_holds_the_key() {
     let db = TestDb::create().await;
     let demo = Demo::start(&db).await;
-    let gw = Gateway::start(config(&db, &payments_routes(&demo, "timeout = \"300ms\""))).await;
+    let payments = |r: Route| r.set("timeout", "300ms");
+    let gw = Gateway::start(config(TestConfig::new(&db).payments(&demo, payments))).await;
     let http = Http::default();
     let key = new_key();
     let timed_out = http
@@ -92,6 +91,7 @@ async fn an_upstream_timeout_gives_504_and_holds_the_key() {
         .await;
     assert_eq!(retry.status, StatusCode::CONFLICT);
     assert_eq!(retry.problem(), "idempotency-key-in-progress");
+    // Real time: the demo answers the first attempt at 1.5 s; Postgres's clock judges its lease.
     tokio::time::sleep(Duration::from_millis(1500)).await;
     let later = http
         .pay(&gw.url("/payments"), "acme", &key, &payment("o-slow", 100))
@@ -103,7 +103,15 @@ async fn an_upstream_timeout_gives_504_and_holds_the_key() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_expired_key_executes_again_even_before_any_purge() {
-    let (db, gw, http) = setup("ttl = \"3s\"\nlease = \"3s\"\ntimeout = \"900ms\"").await;
+    let (db, gw, http) = setup_with(
+        |c| c,
+        |r| {
+            r.set("ttl", "3s")
+                .set("lease", "3s")
+                .set("timeout", "900ms")
+        },
+    )
+    .await;
     let key = new_key();
     let send = || {
         http.pay(&gw.url("/payments"), "acme", &key, &payment("o-ttl", 100))
@@ -111,6 +119,7 @@ async fn an_expired_key_executes_again_even_before_any_purge() {
     };
     let first = send().await;
     assert!(send().await.replayed(), "replayed while the key lives");
+    // Real time: past the 3 s TTL, which Postgres's clock judges.
     tokio::time::sleep(Duration::from_millis(3300)).await;
     assert_eq!(
         db.ledger_rows("acme").await,
@@ -131,11 +140,20 @@ async fn an_expired_key_executes_again_even_before_any_purge() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn concurrent_retries_of_an_expired_key_execute_once() {
-    let (db, gw, http) = setup("ttl = \"3s\"\nlease = \"3s\"\ntimeout = \"900ms\"").await;
+    let (db, gw, http) = setup_with(
+        |c| c,
+        |r| {
+            r.set("ttl", "3s")
+                .set("lease", "3s")
+                .set("timeout", "900ms")
+        },
+    )
+    .await;
     let key = new_key();
     http.pay(&gw.url("/payments"), "acme", &key, &payment("o", 1))
         .send()
         .await;
+    // Real time: past the 3 s lease and TTL, which Postgres's clock judges.
     tokio::time::sleep(Duration::from_millis(3200)).await;
     let calls: Vec<_> = (0..20)
         .map(|_| {
@@ -165,7 +183,7 @@ async fn concurrent_retries_of_an_expired_key_execute_once() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_that_hangs_up_does_not_leave_the_claim_half_done() {
-    let (db, gw, http) = setup("").await;
+    let (db, gw, http) = setup().await;
     let key = new_key();
     let impatient = in_flight(
         http.pay(
@@ -182,6 +200,7 @@ async fn a_client_that_hangs_up_does_not_leave_the_claim_half_done() {
     impatient.abort(); // drops the connection mid-request
     assert!(impatient.await.unwrap_err().is_cancelled());
 
+    // Real time: the abandoned attempt finishes in the gateway (the demo answers at 500 ms).
     tokio::time::sleep(Duration::from_millis(700)).await;
     let retry = http
         .pay(
@@ -202,7 +221,7 @@ async fn a_client_that_hangs_up_does_not_leave_the_claim_half_done() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn shutdown_finishes_in_flight_requests_and_stops_accepting() {
-    let (db, mut gw, http) = setup("").await;
+    let (db, mut gw, http) = setup().await;
     let key = new_key();
     let draining = in_flight(
         http.pay(&gw.url("/payments"), "acme", &key, &payment("o-drain", 100))

@@ -12,9 +12,9 @@ use http::StatusCode;
 async fn a_storm_of_identical_requests_across_two_gateways_executes_once() {
     let db = TestDb::create().await;
     let demo = Demo::start(&db).await;
-    let routes = payments_routes(&demo, "");
-    let a = Gateway::start(config(&db, &routes)).await;
-    let b = Gateway::start(config(&db, &routes)).await;
+    let routes = TestConfig::new(&db).payments(&demo, |r| r);
+    let a = Gateway::start(config(routes.clone())).await;
+    let b = Gateway::start(config(routes)).await;
     let http = Http::default();
     let key = new_key();
     let token = token("acme");
@@ -71,7 +71,7 @@ async fn a_storm_of_identical_requests_across_two_gateways_executes_once() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_replay_is_byte_identical_with_a_fresh_date() {
-    let (db, gw, http) = setup("").await;
+    let (db, gw, http) = setup().await;
     let key = new_key();
     let send = || {
         http.pay(&gw.url("/payments"), "acme", &key, &payment("order-1", 250))
@@ -82,6 +82,7 @@ async fn a_replay_is_byte_identical_with_a_fresh_date() {
     assert_eq!(first.status, StatusCode::CREATED);
     assert!(!first.replayed());
     assert_eq!(first.json()["orderId"], "order-1");
+    // Real time: a Date header counts whole seconds; the replay a second later carries a new one.
     tokio::time::sleep(std::time::Duration::from_millis(1100)).await;
     let second = send().await;
 
@@ -105,7 +106,7 @@ async fn a_replay_is_byte_identical_with_a_fresh_date() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn equivalent_json_is_the_same_request() {
-    let (_db, gw, http) = setup("").await;
+    let (_db, gw, http) = setup().await;
     let key = new_key();
     let first = http
         .post(&gw.url("/payments"))
@@ -128,7 +129,7 @@ async fn equivalent_json_is_the_same_request() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_key_reused_with_another_payload_is_refused_on_both_paths() {
-    let (db, gw, http) = setup("").await;
+    let (db, gw, http) = setup().await;
 
     // After completion: the claim finds a completed row with another fingerprint.
     let key = new_key();
@@ -170,11 +171,9 @@ async fn mismatch_status_can_be_422() {
     let db = TestDb::create().await;
     let demo = Demo::start(&db).await;
     let gw = Gateway::start(config(
-        &db,
-        &format!(
-            "[idempotency]\nmismatch_status = 422\n{}",
-            payments_routes(&demo, "")
-        ),
+        TestConfig::new(&db)
+            .set("idempotency.mismatch_status", 422)
+            .payments(&demo, |r| r),
     ))
     .await;
     let http = Http::default();
@@ -192,7 +191,7 @@ async fn mismatch_status_can_be_422() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tenants_are_isolated_even_with_the_same_key() {
-    let (db, gw, http) = setup("").await;
+    let (db, gw, http) = setup().await;
     let key = new_key();
     let send = |tenant: &'static str, amount| {
         http.post(&gw.url("/payments"))
@@ -220,7 +219,7 @@ async fn tenants_are_isolated_even_with_the_same_key() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_same_key_on_two_endpoints_is_two_operations() {
-    let (db, gw, http) = setup("").await;
+    let (db, gw, http) = setup().await;
     let key = new_key();
     let paid = http
         .pay(&gw.url("/payments"), "acme", &key, &payment("o", 100))
@@ -250,11 +249,8 @@ async fn the_same_key_on_two_endpoints_is_two_operations() {
 async fn a_path_template_is_one_endpoint() {
     let db = TestDb::create().await;
     let demo = Demo::start(&db).await;
-    let routes = format!(
-        "[[routes]]\nmethod = \"POST\"\npath = \"/orders/{{id}}/refunds\"\nupstream = \"{}\"\nidempotent = true\ntimeout = \"5s\"",
-        demo.url()
-    );
-    let gw = Gateway::start(config(&db, &routes)).await;
+    let routes = Route::idempotent("POST", "/orders/{id}/refunds", &demo.url());
+    let gw = Gateway::start(config(TestConfig::new(&db).route(routes))).await;
     let http = Http::default();
     let key = new_key();
     // The demo has no such path and answers 404, which is kept and replayed like any 4xx.
@@ -287,7 +283,7 @@ async fn a_path_template_is_one_endpoint() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_concurrent_retry_can_wait_for_the_result() {
-    let (db, gw, http) = setup("").await;
+    let (db, gw, http) = setup().await;
     let key = new_key();
     let first = in_flight(
         http.pay(&gw.url("/payments"), "acme", &key, &payment("o-wait", 100))
@@ -314,7 +310,7 @@ async fn a_concurrent_retry_can_wait_for_the_result() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_wait_policy_can_be_the_routes_default() {
-    let (_db, gw, http) = setup("on_in_progress = \"wait\"").await;
+    let (_db, gw, http) = setup_with(|c| c, |r| r.set("on_in_progress", "wait")).await;
     let key = new_key();
     let first = in_flight(
         http.pay(&gw.url("/payments"), "acme", &key, &payment("o-w", 100))
@@ -333,7 +329,7 @@ async fn the_wait_policy_can_be_the_routes_default() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn keys_are_validated_and_sent_upstream_unquoted() {
-    let (db, gw, http) = setup("").await;
+    let (db, gw, http) = setup().await;
     let post = || {
         http.post(&gw.url("/payments"))
             .tenant("acme")
@@ -375,7 +371,7 @@ async fn keys_are_validated_and_sent_upstream_unquoted() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_bodies_get_4xx_and_claim_nothing() {
-    let (db, gw, http) = setup("").await;
+    let (db, gw, http) = setup().await;
     for bad in [
         r#"{"orderId": "o", "amountUah": 1"#,
         r#"{"a":1,"a":2}"#,
@@ -408,7 +404,7 @@ async fn bad_bodies_get_4xx_and_claim_nothing() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn unconfigured_routes_are_404() {
-    let (_db, gw, http) = setup("").await;
+    let (_db, gw, http) = setup().await;
     let wrong_path = http
         .post(&gw.url("/nope"))
         .tenant("acme")
@@ -429,7 +425,7 @@ async fn unconfigured_routes_are_404() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn plain_routes_are_proxied_with_the_tokens_tenant() {
-    let (db, gw, http) = setup("").await;
+    let (db, gw, http) = setup().await;
     let key = new_key();
     let paid = http
         .pay(&gw.url("/payments"), "acme", &key, &payment("o", 7))
@@ -460,7 +456,7 @@ async fn plain_routes_are_proxied_with_the_tokens_tenant() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_route_without_key_required_passes_keyless_requests_unprotected() {
-    let (db, gw, http) = setup("key_required = false").await;
+    let (db, gw, http) = setup_with(|c| c, |r| r.set("key_required", false)).await;
     for _ in 0..2 {
         let answer = http
             .post(&gw.url("/payments"))
@@ -489,7 +485,7 @@ async fn a_route_without_key_required_passes_keyless_requests_unprotected() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn health_endpoints_need_no_token() {
-    let (_db, gw, http) = setup("").await;
+    let (_db, gw, http) = setup().await;
     assert_eq!(
         http.get(&gw.url("/healthz")).send().await.status,
         StatusCode::OK

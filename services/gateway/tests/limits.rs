@@ -17,38 +17,26 @@ use http::StatusCode;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
-/// A gateway process with `server` keys and `extra` sections (routes, `[redis]`).
-async fn gateway(db: &TestDb, server: &str, extra: &str) -> GatewayProcess {
-    GatewayProcess::start(&config_toml_with(db, server, extra)).await
+/// The tests' config with the server's own body limit (1 MiB), not the 4 KiB one.
+fn base(db: &TestDb) -> TestConfig {
+    TestConfig::new(db).unset("server.max_body_bytes")
 }
 
-/// One idempotent route to `upstream` with `route_extra`, plus a plain one.
-fn routes_to(upstream: &str, route_extra: &str) -> String {
-    format!(
-        r#"
-        [[routes]]
-        method = "POST"
-        path = "/payments"
-        upstream = "{upstream}"
-        idempotent = true
-        timeout = "5s"
-        {route_extra}
+async fn gateway(config: TestConfig) -> GatewayProcess {
+    GatewayProcess::start(&config.toml()).await
+}
 
-        [[routes]]
-        method = "POST"
-        path = "/orders/{{id}}/refunds"
-        upstream = "{upstream}"
-        idempotent = true
-        timeout = "5s"
-        {route_extra}
-
-        [[routes]]
-        method = "GET"
-        path = "/files/{{name}}"
-        upstream = "{upstream}"
-        {route_extra}
-        "#
-    )
+/// One idempotent route to `upstream`, one with a path template, and a plain one,
+/// each changed by `change`.
+fn routes_to(config: TestConfig, upstream: &str, change: impl Fn(Route) -> Route) -> TestConfig {
+    config
+        .route(change(Route::idempotent("POST", "/payments", upstream)))
+        .route(change(Route::idempotent(
+            "POST",
+            "/orders/{id}/refunds",
+            upstream,
+        )))
+        .route(change(Route::plain("GET", "/files/{name}", upstream)))
 }
 
 async fn scrape(http: &Http, gw: &GatewayProcess) -> String {
@@ -85,7 +73,12 @@ fn many_members() -> String {
 async fn a_worst_case_json_body_does_not_stall_a_concurrent_replay() {
     let db = TestDb::create().await;
     let demo = Demo::start(&db).await;
-    let gw = gateway(&db, "max_body_bytes = 2097152", &payments_routes(&demo, "")).await;
+    let gw = gateway(
+        base(&db)
+            .set("server.max_body_bytes", 2_097_152)
+            .payments(&demo, |r| r),
+    )
+    .await;
     let http = Http::default();
     let key = new_key();
     let pay = || http.pay(&gw.url("/payments"), "acme", &key, &payment("o-1", 100));
@@ -101,6 +94,7 @@ async fn a_worst_case_json_body_does_not_stall_a_concurrent_replay() {
             )
         })
         .collect();
+    // Real time: the hostile bodies are on their way to the real server.
     tokio::time::sleep(Duration::from_millis(100)).await;
     let started = Instant::now();
     let replay = pay().send().await;
@@ -122,12 +116,8 @@ async fn a_worst_case_json_body_does_not_stall_a_concurrent_replay() {
 async fn a_request_head_that_never_ends_is_cut_off() {
     let db = TestDb::create().await;
     let demo = Demo::start(&db).await;
-    let gw = gateway(
-        &db,
-        "header_read_timeout = \"500ms\"",
-        &payments_routes(&demo, ""),
-    )
-    .await;
+    let cfg = base(&db).set("server.header_read_timeout", "500ms");
+    let gw = gateway(cfg.payments(&demo, |r| r)).await;
     let mut slow = TcpStream::connect(gw.addr).await.unwrap();
     slow.write_all(b"POST /payments HTTP/1.1\r\nHost: x\r\n")
         .await
@@ -155,12 +145,8 @@ async fn a_request_head_that_never_ends_is_cut_off() {
 async fn a_trickled_body_gets_408_and_claims_nothing() {
     let db = TestDb::create().await;
     let demo = Demo::start(&db).await;
-    let gw = gateway(
-        &db,
-        "body_read_timeout = \"500ms\"",
-        &payments_routes(&demo, ""),
-    )
-    .await;
+    let cfg = base(&db).set("server.body_read_timeout", "500ms");
+    let gw = gateway(cfg.payments(&demo, |r| r)).await;
     let mut stream = TcpStream::connect(gw.addr).await.unwrap();
     let head = format!(
         "POST /payments HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {}\r\n\
@@ -186,7 +172,7 @@ async fn a_trickled_body_gets_408_and_claims_nothing() {
 async fn oversized_request_heads_get_431_and_claim_nothing() {
     let db = TestDb::create().await;
     let demo = Demo::start(&db).await;
-    let gw = gateway(&db, "", &payments_routes(&demo, "")).await;
+    let gw = gateway(base(&db).payments(&demo, |r| r)).await;
     let http = Http::default();
     let post = || http.pay(&gw.url("/payments"), "acme", &new_key(), &payment("o", 1));
 
@@ -225,12 +211,8 @@ async fn oversized_request_heads_get_431_and_claim_nothing() {
 async fn requests_past_the_limit_are_shed_at_once_while_health_answers() {
     let db = TestDb::create().await;
     let demo = Demo::start(&db).await;
-    let gw = gateway(
-        &db,
-        "max_concurrent_requests = 2",
-        &payments_routes(&demo, ""),
-    )
-    .await;
+    let cfg = base(&db).set("server.max_concurrent_requests", 2);
+    let gw = gateway(cfg.payments(&demo, |r| r)).await;
     let http = Http::default();
     let slow = |order: &str| {
         tokio::spawn(
@@ -240,6 +222,7 @@ async fn requests_past_the_limit_are_shed_at_once_while_health_answers() {
         )
     };
     let (first, second) = (slow("o-1"), slow("o-2"));
+    // Real time: both slow requests have reached the upstream.
     tokio::time::sleep(Duration::from_millis(300)).await;
     let key = new_key();
     let shed = http
@@ -279,15 +262,12 @@ async fn an_answer_too_large_to_keep_reaches_its_client_whole_and_never_runs_aga
     let db = TestDb::create().await;
     let upstream = TestUpstream::start().await;
     let redis = RedisServer::start(&[]);
-    let gw = gateway(
-        &db,
-        "",
-        &format!(
-            "{}\n{}",
-            redis_section(&redis.url()).replace("local_cache_entries = 0", ""),
-            routes_to(&upstream.url(), "max_response_bytes = 65536")
-        ),
-    )
+    let cfg = base(&db)
+        .redis(&redis.url())
+        .unset("redis.local_cache_entries");
+    let gw = gateway(routes_to(cfg, &upstream.url(), |r| {
+        r.set("max_response_bytes", 65_536)
+    }))
     .await;
     let http = Http::default();
     let key = new_key();
@@ -339,16 +319,11 @@ async fn the_in_process_cache_holds_at_most_its_bytes() {
     let db = TestDb::create().await;
     let upstream = TestUpstream::start().await;
     let redis = RedisServer::start(&[]);
-    let section = redis_section(&redis.url()).replace(
-        "local_cache_entries = 0",
-        "local_cache_entries = 1000\nlocal_cache_bytes = 200000",
-    );
-    let gw = gateway(
-        &db,
-        "",
-        &format!("{section}\n{}", routes_to(&upstream.url(), "")),
-    )
-    .await;
+    let cfg = base(&db)
+        .redis(&redis.url())
+        .set("redis.local_cache_entries", 1000)
+        .set("redis.local_cache_bytes", 200_000);
+    let gw = gateway(routes_to(cfg, &upstream.url(), |r| r)).await;
     let http = Http::default();
     let keys: Vec<String> = (0..10).map(|_| new_key()).collect();
     for _ in 0..2 {
@@ -387,6 +362,7 @@ async fn eventually_unsubscribed(redis: &RedisServer) {
             "still subscribed: {}",
             redis.cli(&["PUBSUB", "CHANNELS", "*"])
         );
+        // Real time: polling a real Redis's subscription list.
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
@@ -398,22 +374,15 @@ async fn waiting_retries_unsubscribe_however_their_wait_ends() {
     let db = TestDb::create().await;
     let demo = Demo::start(&db).await;
     let redis = RedisServer::start(&[]);
-    let gw = gateway(
-        &db,
-        "",
-        &format!(
-            "{}\n{}",
-            redis_section(&redis.url()),
-            payments_routes(&demo, "on_in_progress = \"wait\"")
-        ),
-    )
-    .await;
+    let cfg = base(&db).redis(&redis.url());
+    let gw = gateway(cfg.payments(&demo, |r| r.set("on_in_progress", "wait"))).await;
     let http = Http::default();
 
     // Waits that end with the result.
     let key = new_key();
     let pay = || http.pay(&gw.url("/payments"), "acme", &key, &payment("o-w", 1));
     let first = tokio::spawn(pay().demo_delay(1000).send());
+    // Real time: the first attempt has claimed the key and reached the upstream.
     tokio::time::sleep(Duration::from_millis(200)).await;
     let waiters: Vec<_> = (0..10).map(|_| tokio::spawn(pay().send())).collect();
     let first = first.await.unwrap();
@@ -430,6 +399,7 @@ async fn waiting_retries_unsubscribe_however_their_wait_ends() {
             .demo_delay(3000)
             .send(),
     );
+    // Real time: the first attempt has claimed the key and reached the upstream.
     tokio::time::sleep(Duration::from_millis(200)).await;
     let impatient = http
         .pay(&gw.url("/payments"), "acme", &key, &payment("o-t", 1))
@@ -450,16 +420,10 @@ async fn headers_idemgate_sets_are_never_taken_from_the_client() {
     let db = TestDb::create().await;
     let upstream = TestUpstream::start().await;
     let redis = RedisServer::start(&[]);
-    let gw = gateway(
-        &db,
-        "max_header_bytes = 200000",
-        &format!(
-            "{}\n{}",
-            redis_section(&redis.url()),
-            routes_to(&upstream.url(), "")
-        ),
-    )
-    .await;
+    let cfg = base(&db)
+        .set("server.max_header_bytes", 200_000)
+        .redis(&redis.url());
+    let gw = gateway(routes_to(cfg, &upstream.url(), |r| r)).await;
     let http = Http::default();
     let key = new_key();
     let answer = http
@@ -531,7 +495,7 @@ async fn headers_idemgate_sets_are_never_taken_from_the_client() {
 async fn path_parameters_that_could_leave_their_segment_are_404() {
     let db = TestDb::create().await;
     let upstream = TestUpstream::start().await;
-    let gw = gateway(&db, "", &routes_to(&upstream.url(), "")).await;
+    let gw = gateway(routes_to(base(&db), &upstream.url(), |r| r)).await;
     let http = Http::default();
     for path in [
         "/orders/./refunds",
@@ -571,16 +535,7 @@ async fn filling_a_full_redis_keeps_the_breaker_closed() {
         "--enable-debug-command",
         "yes",
     ]);
-    let gw = gateway(
-        &db,
-        "",
-        &format!(
-            "{}\n{}",
-            redis_section(&redis.url()),
-            payments_routes(&demo, "")
-        ),
-    )
-    .await;
+    let gw = gateway(base(&db).redis(&redis.url()).payments(&demo, |r| r)).await;
     let http = Http::default();
     let key = new_key();
     let pay = || http.pay(&gw.url("/payments"), "acme", &key, &payment("o", 1));
@@ -613,13 +568,16 @@ async fn idempotency_problems_say_where_the_operation_stands() {
         .unwrap()
         .local_addr()
         .unwrap();
-    let extra = format!(
-        "{}\n[[routes]]\nmethod = \"POST\"\npath = \"/down\"\nupstream = \"http://{closed}\"\nidempotent = true\ntimeout = \"5s\"",
-        payments_routes(&demo, "timeout = \"1s\"\nlease = \"3s\"")
-    );
     // 1 s + 0.5 s + 1 s < the 3 s lease.
-    let postgres = "acquire_timeout = \"500ms\"\nstatement_timeout = \"1s\"";
-    let gw = GatewayProcess::start(&config_toml_parts(&db, "", postgres, &extra)).await;
+    let cfg = base(&db)
+        .set("postgres.acquire_timeout", "500ms")
+        .payments(&demo, |r| r.set("timeout", "1s").set("lease", "3s"))
+        .route(Route::idempotent(
+            "POST",
+            "/down",
+            &format!("http://{closed}"),
+        ));
+    let gw = gateway(cfg).await;
     let http = Http::default();
     let state = |answer: &Answer| {
         let json = answer.json();
@@ -634,6 +592,7 @@ async fn idempotency_problems_say_where_the_operation_stands() {
     let key = new_key();
     let pay = |order: &str| http.pay(&gw.url("/payments"), "acme", &key, &payment(order, 1));
     let running = tokio::spawn(pay("o").demo_delay(600).send());
+    // Real time: the first attempt has claimed the key and reached the upstream.
     tokio::time::sleep(Duration::from_millis(200)).await;
     assert_eq!(
         state(&pay("o").send().await),
@@ -659,6 +618,7 @@ async fn idempotency_problems_say_where_the_operation_stands() {
         owned("upstream-timeout", "unknown", false)
     );
     // Past the lease, with no reconciler running, the outcome is still unknown.
+    // Real time: Postgres's clock judges the lease.
     tokio::time::sleep(Duration::from_millis(2200)).await;
     let retry = http
         .pay(&gw.url("/payments"), "acme", &lost, &payment("o", 1))

@@ -72,17 +72,17 @@ async fn replays_are_identical(gateways: &[&Gateway], key: &str, body: &bytes::B
 }
 
 async fn two_gateways(db: &TestDb, demo: &Demo, redis_url: &str) -> (Gateway, Gateway) {
-    let cfg = format!("{}{}", redis_section(redis_url), payments_routes(demo, ""));
+    let cfg = TestConfig::new(db).redis(redis_url).payments(demo, |r| r);
     (
-        Gateway::start(config(db, &cfg)).await,
-        Gateway::start(config(db, &cfg)).await,
+        Gateway::start(config(cfg.clone())).await,
+        Gateway::start(config(cfg)).await,
     )
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_warm_replay_makes_no_postgres_query() {
     let redis = RedisServer::start(&[]);
-    let (_db, gw, http) = setup_with(&redis_section(&redis.url()), "").await;
+    let (_db, gw, http) = setup_with(|c| c.redis(&redis.url()), |r| r).await;
     let key = new_key();
     let send = || {
         http.pay(&gw.url("/payments"), "acme", &key, &payment("o-warm", 100))
@@ -129,7 +129,7 @@ async fn a_warm_replay_makes_no_postgres_query() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_concurrent_duplicate_is_turned_away_by_the_lock_alone() {
     let redis = RedisServer::start(&[]);
-    let (_db, gw, http) = setup_with(&redis_section(&redis.url()), "").await;
+    let (_db, gw, http) = setup_with(|c| c.redis(&redis.url()), |r| r).await;
     let key = new_key();
     let first = in_flight(
         http.pay(&gw.url("/payments"), "acme", &key, &payment("o-lock", 1))
@@ -160,6 +160,7 @@ async fn redis_killed_mid_storm_changes_nothing_a_client_sees() {
     let (a, b) = two_gateways(&db, &demo, &redis.url()).await;
     let key = new_key();
     let body = storm(&[&a, &b], &db, &key, async || {
+        // Real time: the fault lands while the storm is under way in the gateways.
         tokio::time::sleep(Duration::from_millis(100)).await;
         redis.kill();
     })
@@ -183,6 +184,7 @@ async fn a_redis_that_stops_answering_changes_nothing_a_client_sees() {
     let (a, b) = two_gateways(&db, &demo, &redis.url()).await;
     let key = new_key();
     let body = storm(&[&a, &b], &db, &key, async || {
+        // Real time: the fault lands while the storm is under way in the gateways.
         tokio::time::sleep(Duration::from_millis(50)).await;
         // Redis hangs for a second (a stand-in for a slow or partitioned server).
         let url = redis.port.to_string();
@@ -210,6 +212,7 @@ async fn flushall_changes_nothing_a_client_sees() {
     // Flushed while the first attempt is in flight: its lock vanishes.
     let key = new_key();
     let body = storm(&[&a, &b], &db, &key, async || {
+        // Real time: the fault lands while the storm is under way in the gateways.
         tokio::time::sleep(Duration::from_millis(100)).await;
         assert_eq!(redis.cli(&["FLUSHALL"]).trim(), "OK");
     })
@@ -243,6 +246,7 @@ async fn eviction_under_maxmemory_changes_nothing_a_client_sees() {
     };
     let key = new_key();
     let body = storm(&[&a, &b], &db, &key, async || {
+        // Real time: the fault lands while the storm is under way in the gateways.
         tokio::time::sleep(Duration::from_millis(50)).await;
         fill();
     })
@@ -268,15 +272,8 @@ async fn a_restarted_redis_is_used_again_without_restarting_the_gateway() {
     let db = TestDb::create().await;
     let demo = Demo::start(&db).await;
     let mut redis = RedisServer::start(&[]);
-    let gw = Gateway::start(config(
-        &db,
-        &format!(
-            "{}{}",
-            redis_section(&redis.url()),
-            payments_routes(&demo, "")
-        ),
-    ))
-    .await;
+    let cfg = TestConfig::new(&db).redis(&redis.url());
+    let gw = Gateway::start(config(cfg.payments(&demo, |r| r))).await;
     let http = Http::default();
     let key = new_key();
     let send = || {
@@ -314,6 +311,7 @@ async fn a_restarted_redis_is_used_again_without_restarting_the_gateway() {
             std::time::Instant::now() < deadline,
             "the breaker closed again"
         );
+        // Real time: polling the breaker, which probes Redis on its own clock.
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     // The first replay after the restart refills the cache from Postgres; the next ones
@@ -335,11 +333,8 @@ async fn redis_down_at_start_up_does_not_stop_the_gateway() {
     let db = TestDb::create().await;
     let demo = Demo::start(&db).await;
     let nowhere = format!("redis://127.0.0.1:{}", free_port(false));
-    let gw = Gateway::start(config(
-        &db,
-        &format!("{}{}", redis_section(&nowhere), payments_routes(&demo, "")),
-    ))
-    .await;
+    let cfg = TestConfig::new(&db).redis(&nowhere);
+    let gw = Gateway::start(config(cfg.payments(&demo, |r| r))).await;
     let http = Http::default();
     let key = new_key();
     let started = std::time::Instant::now();
@@ -424,19 +419,20 @@ async fn a_three_node_cluster_serves_the_fast_path_and_holds_the_storm() {
             std::time::Instant::now() < deadline,
             "the cluster became ready"
         );
+        // Real time: polling the cluster, which converges in its own processes.
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
 
     let db = TestDb::create().await;
     let demo = Demo::start(&db).await;
-    let urls: Vec<String> = nodes.iter().map(|n| format!("\"{}\"", n.url())).collect();
-    let cfg = format!(
-        "[redis]\ncluster_urls = [{}]\ntimeout = \"500ms\"\nprobe_interval = \"200ms\"\n{}",
-        urls.join(", "),
-        payments_routes(&demo, "")
-    );
-    let a = Gateway::start(config(&db, &cfg)).await;
-    let b = Gateway::start(config(&db, &cfg)).await;
+    let urls: Vec<String> = nodes.iter().map(RedisServer::url).collect();
+    let cfg = TestConfig::new(&db)
+        .set("redis.cluster_urls", urls)
+        .set("redis.timeout", "500ms")
+        .set("redis.probe_interval", "200ms")
+        .payments(&demo, |r| r);
+    let a = Gateway::start(config(cfg.clone())).await;
+    let b = Gateway::start(config(cfg)).await;
     assert!(a.cache_stats().up && b.cache_stats().up);
 
     let key = new_key();
@@ -507,6 +503,7 @@ async fn completions_and_releases_are_announced_over_pubsub() {
         announcer
             .unlock(&scope("watched"), AttemptId::random())
             .await;
+        // Real time: polling for an announcement that goes through a real Redis.
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     assert!(
@@ -521,13 +518,10 @@ async fn the_in_process_layer_serves_hot_replays_without_any_round_trip() {
     let db = TestDb::create().await;
     let demo = Demo::start(&db).await;
     let redis = RedisServer::start(&[]);
-    let section =
-        redis_section(&redis.url()).replace("local_cache_entries = 0", "local_cache_entries = 100");
-    let gw = Gateway::start(config(
-        &db,
-        &format!("{section}{}", payments_routes(&demo, "")),
-    ))
-    .await;
+    let cfg = TestConfig::new(&db)
+        .redis(&redis.url())
+        .set("redis.local_cache_entries", 100);
+    let gw = Gateway::start(config(cfg.payments(&demo, |r| r))).await;
     let http = Http::default();
     let key = new_key();
     let send = || {

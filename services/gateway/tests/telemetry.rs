@@ -91,11 +91,9 @@ async fn a_retrys_trace_links_to_the_first_execution() {
     let db = TestDb::create().await;
     let (collector, spans) = otlp_receiver().await;
     let (upstream, seen) = traced_upstream().await;
-    let routes = format!(
-        "[[routes]]\nmethod = \"POST\"\npath = \"/payments\"\nupstream = \"{upstream}\"\nidempotent = true\ntimeout = \"5s\""
-    );
+    let route = Route::idempotent("POST", "/payments", &upstream);
     let gw = GatewayProcess::start_with_env(
-        &config_toml(&db, &routes),
+        &TestConfig::new(&db).route(route).toml(),
         &[
             ("OTEL_EXPORTER_OTLP_ENDPOINT", &collector),
             ("OTEL_BSP_SCHEDULE_DELAY", "100"),
@@ -147,6 +145,7 @@ async fn a_retrys_trace_links_to_the_first_execution() {
             "spans exported: {:?}",
             spans.iter().map(|s| &s.name).collect::<Vec<_>>()
         );
+        // Real time: polling for spans, which arrive on the exporter's schedule.
         tokio::time::sleep(Duration::from_millis(100)).await;
     };
     assert_eq!(
@@ -231,7 +230,7 @@ fn sample(text: &str, series: &str) -> f64 {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn metrics_parse_as_prometheus_text_and_move_with_requests() {
     let redis = RedisServer::start(&[]);
-    let (_db, gw, http) = setup_with(&redis_section(&redis.url()), "").await;
+    let (_db, gw, http) = setup_with(|c| c.redis(&redis.url()), |r| r).await;
     let scrape = async || {
         String::from_utf8(http.get(&gw.url("/metrics")).send().await.body.to_vec()).unwrap()
     };

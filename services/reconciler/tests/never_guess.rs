@@ -20,7 +20,7 @@ async fn a_5xx_is_uncertain_held_and_probed_at_once_on_a_route_with_a_probe() {
     let db = TestDb::create().await;
     // The probe (it sends no x-test-* headers) finds the operation: 200.
     let upstream = TestUpstream::answering(200, None).await;
-    let cfg = config_toml(&db, &leased_route(&upstream.url(), "900ms", PROBE));
+    let cfg = leased(&db, &upstream.url(), "900ms", Route::probed).toml();
     let gw = GatewayProcess::start(&cfg).await;
     let http = Http::default();
     for status in [500u16, 502] {
@@ -55,11 +55,7 @@ async fn a_5xx_is_uncertain_held_and_probed_at_once_on_a_route_with_a_probe() {
 async fn a_5xx_on_a_route_without_a_probe_is_stored_and_replayed() {
     let db = TestDb::create().await;
     let upstream = TestUpstream::start().await;
-    let gw = GatewayProcess::start(&config_toml(
-        &db,
-        &leased_route(&upstream.url(), "900ms", ""),
-    ))
-    .await;
+    let gw = GatewayProcess::start(&leased(&db, &upstream.url(), "900ms", |r| r).toml()).await;
     let http = Http::default();
     for status in [500u16, 502, 503] {
         let key = new_key();
@@ -85,8 +81,10 @@ async fn a_5xx_on_a_route_without_a_probe_is_stored_and_replayed() {
 async fn release_on_5xx_is_an_explicit_opt_in() {
     let db = TestDb::create().await;
     let upstream = TestUpstream::start().await;
-    let route = leased_route(&upstream.url(), "900ms", "release_on = [\"5xx\"]");
-    let gw = GatewayProcess::start(&config_toml(&db, &route)).await;
+    let cfg = leased(&db, &upstream.url(), "900ms", |r| {
+        r.set("release_on", vec!["5xx"])
+    });
+    let gw = GatewayProcess::start(&cfg.toml()).await;
     let http = Http::default();
     let key = new_key();
     let first = http
@@ -127,9 +125,11 @@ async fn late_committer(commit_after: Duration) -> (String, Arc<AtomicUsize>) {
                     let key = headers["idempotency-key"].to_str().unwrap().to_owned();
                     // Its own task: the work goes on after the gateway has hung up.
                     tokio::spawn(async move {
+                        // Real time: a slow commit in this real upstream, after the gateway gave up.
                         tokio::time::sleep(commit_after).await;
                         s.committed.lock().unwrap().insert(key);
                     });
+                    // Real time: the answer comes after the gateway gave up.
                     tokio::time::sleep(commit_after).await;
                     (StatusCode::CREATED, "{\"late\":true}")
                 },
@@ -161,13 +161,9 @@ async fn late_committer(commit_after: Duration) -> (String, Arc<AtomicUsize>) {
 async fn a_404_is_confirmed_release_confirm_later_before_a_key_is_released() {
     let db = TestDb::create().await;
     let (upstream, posts) = late_committer(Duration::from_millis(4000)).await;
-    let cfg = config_toml(
-        &db,
-        &format!(
-            "[reconciler]\nrelease_confirm = \"2s\"\n{}",
-            leased_route(&upstream, "500ms", PROBE)
-        ),
-    );
+    let cfg = leased(&db, &upstream, "500ms", Route::probed)
+        .set("reconciler.release_confirm", "2s")
+        .toml();
     let gw = GatewayProcess::start(&cfg).await;
     let http = Http::default();
     let key = new_key();
@@ -183,6 +179,7 @@ async fn a_404_is_confirmed_release_confirm_later_before_a_key_is_released() {
         "still held after one 404"
     );
     // It commits at 4 s; the confirming probe is due 2 s after the first.
+    // Real time: release_confirm is judged by Postgres's clock.
     tokio::time::sleep(Duration::from_millis(2200)).await;
     pass_reporting(&cfg, &["completed=1"]).await;
     let replay = send().await;
@@ -198,16 +195,13 @@ async fn two_404s_release_confirm_apart_release_the_key_for_a_retry() {
     let db = TestDb::create().await;
     db.migrate().await;
     let (upstream, posts) = late_committer(Duration::ZERO).await;
-    let cfg = config_toml(
-        &db,
-        &format!(
-            "[reconciler]\nrelease_confirm = \"1s\"\n{}",
-            leased_route(&upstream, "900ms", PROBE)
-        ),
-    );
+    let cfg = leased(&db, &upstream, "900ms", Route::probed)
+        .set("reconciler.release_confirm", "1s")
+        .toml();
     let keys = stuck_rows(&db, "acme", "POST /payments", 1).await;
     pass_reporting(&cfg, &["not_found=1"]).await;
     assert_eq!(row(&db, &keys[0]).await.unwrap().0, "in_progress");
+    // Real time: release_confirm is judged by Postgres's clock.
     tokio::time::sleep(Duration::from_millis(1100)).await;
     pass_reporting(&cfg, &["released=1"]).await;
     assert!(row(&db, &keys[0]).await.is_none());
@@ -220,7 +214,7 @@ async fn two_404s_release_confirm_apart_release_the_key_for_a_retry() {
 async fn a_held_key_never_lapses_past_its_ttl_or_the_purge() {
     let db = TestDb::create().await;
     let upstream = TestUpstream::start().await;
-    let cfg = config_toml(&db, &leased_route(&upstream.url(), "500ms", "ttl = \"3s\""));
+    let cfg = leased(&db, &upstream.url(), "500ms", |r| r.set("ttl", "3s")).toml();
     let gw = GatewayProcess::start(&cfg).await;
     let http = Http::default();
     let key = new_key();
@@ -249,17 +243,12 @@ async fn a_held_key_never_lapses_past_its_ttl_or_the_purge() {
 async fn a_completion_that_fails_once_is_retried_within_the_lease() {
     let db = TestDb::create().await;
     let upstream = TestUpstream::start().await;
-    let cfg = config_toml_parts(
-        &db,
-        "",
-        "acquire_timeout = \"300ms\"\nstatement_timeout = \"300ms\"",
-        &format!(
-            "[idempotency]\nlease = \"5s\"\n[[routes]]\nmethod = \"POST\"\npath = \"/payments\"\n\
-             upstream = \"{}\"\nidempotent = true\ntimeout = \"2s\"",
-            upstream.url()
-        ),
-    );
-    let gw = GatewayProcess::start(&cfg).await;
+    let cfg = TestConfig::new(&db)
+        .set("postgres.acquire_timeout", "300ms")
+        .set("postgres.statement_timeout", "300ms")
+        .set("idempotency.lease", "5s")
+        .route(Route::idempotent("POST", "/payments", &upstream.url()).set("timeout", "2s"));
+    let gw = GatewayProcess::start(&cfg.toml()).await;
     let http = Http::default();
     let key = new_key();
     let request = http
@@ -269,6 +258,7 @@ async fn a_completion_that_fails_once_is_retried_within_the_lease() {
     let first = tokio::spawn(request);
     // Once the claim has committed, lock the row past the statement timeout: the first
     // completion times out waiting for the lock.
+    // Real time: the claim commits in the gateway process.
     tokio::time::sleep(Duration::from_millis(300)).await;
     let mut conn = db.connect().await;
     let mut tx = sqlx::Connection::begin(&mut conn).await.unwrap();
@@ -279,6 +269,7 @@ async fn a_completion_that_fails_once_is_retried_within_the_lease() {
             .await
             .unwrap();
     assert_eq!(locked, Some(1), "the claim has committed");
+    // Real time: the row stays locked past the gateway's statement timeout.
     tokio::time::sleep(Duration::from_millis(1500)).await;
     tx.rollback().await.unwrap();
 

@@ -15,7 +15,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 async fn a_gateway_killed_mid_request_is_resolved_by_the_probe() {
     let db = TestDb::create().await;
     let demo = Demo::start(&db).await;
-    let cfg = config_toml(&db, &leased_route(&demo.url(), "900ms", PROBE));
+    let cfg = leased(&db, &demo.url(), "900ms", Route::probed).toml();
     let mut doomed = GatewayProcess::start(&cfg).await;
     let http = Http::default();
     let key = new_key();
@@ -28,6 +28,7 @@ async fn a_gateway_killed_mid_request_is_resolved_by_the_probe() {
             .try_send()
     };
     let in_flight = tokio::spawn(send(&doomed));
+    // Real time: the claim has committed and the demo is working on it.
     tokio::time::sleep(Duration::from_millis(300)).await;
     doomed.kill().await;
     assert!(
@@ -65,7 +66,7 @@ async fn a_gateway_killed_mid_request_is_resolved_by_the_probe() {
 async fn an_upstream_timeout_is_resolved_by_the_probe() {
     let db = TestDb::create().await;
     let demo = Demo::start(&db).await;
-    let cfg = config_toml(&db, &leased_route(&demo.url(), "300ms", PROBE));
+    let cfg = leased(&db, &demo.url(), "300ms", Route::probed).toml();
     let gw = GatewayProcess::start(&cfg).await;
     let http = Http::default();
     let key = new_key();
@@ -97,14 +98,10 @@ async fn a_probe_answer_too_large_to_keep_completes_the_key_without_its_body() {
     let db = TestDb::create().await;
     // Probes carry no x-test-* headers: they get 200 and 300 kB.
     let upstream = TestUpstream::answering(200, Some(300_000)).await;
-    let cfg = config_toml(
-        &db,
-        &leased_route(
-            &upstream.url(),
-            "300ms",
-            &format!("{PROBE}\nmax_response_bytes = 100000"),
-        ),
-    );
+    let cfg = leased(&db, &upstream.url(), "300ms", |r| {
+        r.probed().set("max_response_bytes", 100000)
+    })
+    .toml();
     let gw = GatewayProcess::start(&cfg).await;
     let http = Http::default();
     let key = new_key();
@@ -141,15 +138,11 @@ async fn two_probe_404s_release_the_key_and_the_retry_executes_once() {
     let db = TestDb::create().await;
     let demo = Demo::start(&db).await;
     // The request goes into a black hole (it never reaches the payments service) ...
-    let lost = config_toml(&db, &leased_route(&black_hole().await, "300ms", PROBE));
+    let lost = leased(&db, &black_hole().await, "300ms", Route::probed).toml();
     // ... and the reconciler asks the payments service, which never saw it.
-    let cfg = config_toml(
-        &db,
-        &format!(
-            "[reconciler]\nrelease_confirm = \"1s\"\n{}",
-            leased_route(&demo.url(), "900ms", PROBE)
-        ),
-    );
+    let cfg = leased(&db, &demo.url(), "900ms", Route::probed)
+        .set("reconciler.release_confirm", "1s")
+        .toml();
     let http = Http::default();
     let key = new_key();
     {
@@ -166,6 +159,7 @@ async fn two_probe_404s_release_the_key_and_the_retry_executes_once() {
         row(&db, &key).await.is_some(),
         "one 404 is only \"not yet\""
     );
+    // Real time: release_confirm is judged by Postgres's clock.
     tokio::time::sleep(Duration::from_millis(1100)).await;
     pass_reporting(&cfg, &["released=1"]).await;
     assert!(row(&db, &key).await.is_none());
@@ -184,7 +178,7 @@ async fn two_probe_404s_release_the_key_and_the_retry_executes_once() {
 async fn a_paused_gateways_late_completion_is_fenced_out() {
     let db = TestDb::create().await;
     let demo = Demo::start(&db).await;
-    let cfg = config_toml(&db, &leased_route(&demo.url(), "900ms", PROBE));
+    let cfg = leased(&db, &demo.url(), "900ms", Route::probed).toml();
     let gw = GatewayProcess::start(&cfg).await;
     let http = Http::default();
     let key = new_key();
@@ -197,6 +191,7 @@ async fn a_paused_gateways_late_completion_is_fenced_out() {
     .await;
     signal(gw.pid(), "STOP");
     past_lease().await;
+    // Real time: the demo answers the paused gateway at 800 ms.
     tokio::time::sleep(Duration::from_millis(500)).await; // the demo has answered by now
     pass_reporting(&cfg, &["completed=1"]).await;
     let resolved = row(&db, &key).await.unwrap();
@@ -205,6 +200,7 @@ async fn a_paused_gateways_late_completion_is_fenced_out() {
 
     signal(gw.pid(), "CONT");
     let _ = tokio::time::timeout(Duration::from_secs(5), paused).await;
+    // Real time: the resumed gateway tries its late completion.
     tokio::time::sleep(Duration::from_millis(300)).await;
     assert_eq!(
         row(&db, &key).await.unwrap(),
@@ -248,13 +244,9 @@ async fn two_reconcilers_probe_each_stuck_row_exactly_once() {
     let (upstream, seen) = recording_upstream().await;
     let keys = stuck_rows(&db, "acme", "POST /payments", 100).await;
     // Small batches, so the two interleave rather than one taking everything at once.
-    let cfg = config_toml(
-        &db,
-        &format!(
-            "[reconciler]\nbatch_size = 10\n{}",
-            leased_route(&upstream, "900ms", PROBE)
-        ),
-    );
+    let cfg = leased(&db, &upstream, "900ms", Route::probed)
+        .set("reconciler.batch_size", 10)
+        .toml();
     let (a, b) = tokio::join!(reconcile_once(&cfg), reconcile_once(&cfg));
     assert!(a.success && b.success, "{}{}", a.stderr, b.stderr);
 
@@ -280,32 +272,16 @@ async fn two_reconcilers_probe_each_stuck_row_exactly_once() {
 async fn without_a_probe_keys_are_held_or_released_by_policy() {
     let db = TestDb::create().await;
     db.migrate().await;
-    let routes = r#"
-        [[routes]]
-        method = "POST"
-        path = "/payments"
-        upstream = "http://127.0.0.1:9"
-        idempotent = true
-        timeout = "1s"
-        [[routes]]
-        method = "POST"
-        path = "/refunds"
-        upstream = "http://127.0.0.1:9"
-        idempotent = true
-        timeout = "1s"
-        on_unknown = "release-after:1m"
-        [[routes]]
-        method = "POST"
-        path = "/transfers"
-        upstream = "http://127.0.0.1:9"
-        idempotent = true
-        timeout = "1s"
-        on_unknown = "release-after:1h"
-    "#;
+    let nowhere = "http://127.0.0.1:9";
+    let route = |path| Route::idempotent("POST", path, nowhere).set("timeout", "1s");
+    let cfg = TestConfig::new(&db)
+        .route(route("/payments"))
+        .route(route("/refunds").set("on_unknown", "release-after:1m"))
+        .route(route("/transfers").set("on_unknown", "release-after:1h"));
     let held = stuck_rows(&db, "acme", "POST /payments", 1).await;
     let released = stuck_rows(&db, "acme", "POST /refunds", 1).await; // created 2 minutes ago
     let young = stuck_rows(&db, "acme", "POST /transfers", 1).await;
-    let pass = reconcile_once(&config_toml(&db, routes)).await;
+    let pass = reconcile_once(&cfg.toml()).await;
     assert!(pass.success, "{}", pass.stderr);
     assert!(
         pass.stdout.contains("held=1") && pass.stdout.contains("released_after=1"),
@@ -324,7 +300,7 @@ async fn an_inconclusive_probe_leaves_the_key_for_later_with_backoff() {
     // Nothing listens here: every probe fails to connect.
     let nowhere = format!("http://127.0.0.1:{}", free_port(false));
     let keys = stuck_rows(&db, "acme", "POST /payments", 3).await;
-    let cfg = config_toml(&db, &leased_route(&nowhere, "900ms", PROBE));
+    let cfg = leased(&db, &nowhere, "900ms", Route::probed).toml();
     pass_reporting(&cfg, &["probe_failed=3"]).await;
     let again = reconcile_once(&cfg).await;
     assert!(
@@ -346,13 +322,9 @@ async fn an_inconclusive_probe_leaves_the_key_for_later_with_backoff() {
 async fn the_purge_removes_only_expired_rows_while_traffic_flows() {
     let db = TestDb::create().await;
     let demo = Demo::start(&db).await;
-    let cfg = config_toml(
-        &db,
-        &format!(
-            "[reconciler]\npurge_batch = 500\n{}",
-            leased_route(&demo.url(), "900ms", PROBE)
-        ),
-    );
+    let cfg = leased(&db, &demo.url(), "900ms", Route::probed)
+        .set("reconciler.purge_batch", 500)
+        .toml();
     let gw = GatewayProcess::start(&cfg).await;
     let mut conn = db.connect().await;
     // 3000 expired completed rows, 100 live ones, and in-progress rows past expiry: one
@@ -457,10 +429,7 @@ async fn operators_can_list_show_and_release_a_held_key() {
     let db = TestDb::create().await;
     db.migrate().await;
     let keys = stuck_rows(&db, "acme", "POST /payments", 1).await;
-    let path = config_file(&config_toml(
-        &db,
-        &leased_route("http://127.0.0.1:9", "900ms", ""),
-    ));
+    let path = config_file(&leased(&db, "http://127.0.0.1:9", "900ms", |r| r).toml());
     let path = path.to_str().unwrap();
     let idemgate = |args: &[&str]| {
         let out = std::process::Command::new(binary("idemgate", "services/gateway/src"))
@@ -525,13 +494,11 @@ async fn the_loop_serves_health_and_metrics_and_stops_on_sigterm() {
     db.migrate().await;
     let (upstream, _) = recording_upstream().await;
     stuck_rows(&db, "acme", "POST /payments", 2).await;
-    let cfg = config_toml(
-        &db,
-        &format!(
-            "[reconciler]\nlisten = \"127.0.0.1:0\"\ninterval = \"100ms\"\nrelease_confirm = \"500ms\"\n{}",
-            leased_route(&upstream, "900ms", PROBE)
-        ),
-    );
+    let cfg = leased(&db, &upstream, "900ms", Route::probed)
+        .set("reconciler.listen", "127.0.0.1:0")
+        .set("reconciler.interval", "100ms")
+        .set("reconciler.release_confirm", "500ms")
+        .toml();
     let mut child =
         tokio::process::Command::new(binary("idemgate-reconciler", "services/reconciler/src"))
             .arg("--config")
@@ -572,6 +539,7 @@ async fn the_loop_serves_health_and_metrics_and_stops_on_sigterm() {
                 std::time::Instant::now() < deadline,
                 "{wanted:?} in {metrics}"
             );
+            // Real time: polling the reconciler process's metrics.
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
     }

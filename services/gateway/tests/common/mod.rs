@@ -7,9 +7,9 @@ use std::net::SocketAddr;
 pub use idem_testkit::*;
 use idemgate::{Application, BuildOptions, Config};
 
-/// A config for tests: the given routes TOML after a base that points at `db`.
-pub fn config(db: &TestDb, extra: &str) -> Config {
-    Config::from_toml(&config_toml(db, extra)).unwrap_or_else(|e| panic!("test config: {e}"))
+/// The gateway's config from a test's [`TestConfig`].
+pub fn config(config: TestConfig) -> Config {
+    Config::from_toml(&config.toml()).unwrap_or_else(|e| panic!("test config: {e}"))
 }
 
 /// A gateway running in this process, stopped when dropped (or via `stop`).
@@ -77,18 +77,20 @@ impl Drop for Gateway {
 }
 
 /// The usual setup: a fresh database, the payments demo (kept alive by the gateway),
-/// one gateway on the payments routes (`route_extra` goes on the POST /payments route),
-/// and a client.
-pub async fn setup(route_extra: &str) -> (TestDb, Gateway, Http) {
-    setup_with("", route_extra).await
+/// one gateway on the payments routes, and a client.
+pub async fn setup() -> (TestDb, Gateway, Http) {
+    setup_with(|config| config, |payments| payments).await
 }
 
-/// [`setup`], with `sections` (e.g. a `[redis]` section) added to the config.
-pub async fn setup_with(sections: &str, route_extra: &str) -> (TestDb, Gateway, Http) {
+/// [`setup`], with the config and the `POST /payments` route changed as given.
+pub async fn setup_with(
+    change: impl FnOnce(TestConfig) -> TestConfig,
+    payments: impl FnOnce(Route) -> Route,
+) -> (TestDb, Gateway, Http) {
     let db = TestDb::create().await;
     let demo = Demo::start(&db).await;
-    let routes = payments_routes(&demo, route_extra);
-    let mut gw = Gateway::start(config(&db, &format!("{sections}\n{routes}"))).await;
+    let test_config = change(TestConfig::new(&db)).payments(&demo, payments);
+    let mut gw = Gateway::start(config(test_config)).await;
     gw.upstreams.push(demo);
     (db, gw, Http::default())
 }

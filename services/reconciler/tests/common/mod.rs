@@ -6,25 +6,20 @@ use std::time::Duration;
 
 use idem_testkit::*;
 
-/// `POST /payments` to `upstream`: lease 3 s, the upstream timeout as given, and extra
-/// route keys ([`PROBE`] for a status probe).
-pub fn leased_route(upstream: &str, timeout: &str, extra: &str) -> String {
-    format!(
-        r#"
-        [idempotency]
-        lease = "3s"
-        [[routes]]
-        method = "POST"
-        path = "/payments"
-        upstream = "{upstream}"
-        idempotent = true
-        timeout = "{timeout}"
-        {extra}
-        "#
-    )
+/// The tests' config with `POST /payments` to `upstream` under a 3 s lease, with the
+/// upstream timeout as given, changed by `route` ([`Route::probed`] for a status probe).
+pub fn leased(
+    db: &TestDb,
+    upstream: &str,
+    timeout: &str,
+    route: impl FnOnce(Route) -> Route,
+) -> TestConfig {
+    TestConfig::new(db)
+        .set("idempotency.lease", "3s")
+        .route(route(
+            Route::idempotent("POST", "/payments", upstream).set("timeout", timeout),
+        ))
 }
-
-pub const PROBE: &str = r#"probe = "GET /payments/by-key/{key}""#;
 
 pub async fn row(db: &TestDb, key: &str) -> Option<(String, Option<i32>, Option<Vec<u8>>)> {
     let mut conn = db.connect().await;
@@ -38,6 +33,7 @@ pub async fn row(db: &TestDb, key: &str) -> Option<(String, Option<i32>, Option<
 }
 
 pub async fn past_lease() {
+    // Real time: past the 3 s lease, which Postgres's clock judges.
     tokio::time::sleep(Duration::from_millis(3300)).await;
 }
 
