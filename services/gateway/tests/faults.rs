@@ -101,17 +101,19 @@ async fn an_upstream_timeout_gives_504_and_holds_the_key() {
     assert_eq!(db.executions("demo_payments", "acme", &key).await, 1);
 }
 
+/// [`setup`] with keys that live 3 s (and a lease to match).
+async fn short_lived() -> (TestDb, Gateway, Http) {
+    let route = |r: Route| {
+        r.set("ttl", "3s")
+            .set("lease", "3s")
+            .set("timeout", "900ms")
+    };
+    setup_with(|c| c, route).await
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_expired_key_executes_again_even_before_any_purge() {
-    let (db, gw, http) = setup_with(
-        |c| c,
-        |r| {
-            r.set("ttl", "3s")
-                .set("lease", "3s")
-                .set("timeout", "900ms")
-        },
-    )
-    .await;
+    let (db, gw, http) = short_lived().await;
     let key = new_key();
     let send = || {
         http.pay(&gw.url("/payments"), "acme", &key, &payment("o-ttl", 100))
@@ -140,15 +142,7 @@ async fn an_expired_key_executes_again_even_before_any_purge() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn concurrent_retries_of_an_expired_key_execute_once() {
-    let (db, gw, http) = setup_with(
-        |c| c,
-        |r| {
-            r.set("ttl", "3s")
-                .set("lease", "3s")
-                .set("timeout", "900ms")
-        },
-    )
-    .await;
+    let (db, gw, http) = short_lived().await;
     let key = new_key();
     http.pay(&gw.url("/payments"), "acme", &key, &payment("o", 1))
         .send()
