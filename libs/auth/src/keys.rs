@@ -8,10 +8,12 @@ use jsonwebtoken::{Algorithm, DecodingKey};
 /// A key source that cannot be used. Names the setting at fault.
 #[derive(Debug, thiserror::Error)]
 pub enum KeyError {
-    #[error("[auth] needs exactly one of hs256_secret, public_key_pem_file, jwks_file")]
+    #[error(
+        "[auth] needs exactly one of hs256_secret, public_key_pem_file, jwks_file, jwks_url, oidc_issuer"
+    )]
     NoSource,
     #[error(
-        "[auth] sets more than one of hs256_secret, public_key_pem_file, jwks_file, jwks_url; keep one"
+        "[auth] sets more than one of hs256_secret, public_key_pem_file, jwks_file, jwks_url, oidc_issuer; keep one"
     )]
     SeveralSources,
     #[error("{key}: {reason}")]
@@ -73,59 +75,227 @@ pub fn pem_file(path: &Path) -> Result<(DecodingKey, Algorithm), KeyError> {
     ))
 }
 
-/// Every signing key of a JWKS document, with its `kid` and pinned algorithm.
+/// A usable key of a JWKS, pinned to its algorithm.
+pub(crate) struct JwkKey {
+    pub kid: String,
+    pub key: DecodingKey,
+    pub alg: Algorithm,
+    /// The key as the document gave it (to tell whether a set changed).
+    pub json: String,
+}
+
+/// Every signing key of a JWKS document, with its `kid` and pinned algorithm. A key
+/// that cannot be used (symmetric, an unsupported type, an `alg` its type contradicts)
+/// makes the file invalid: it is the operator's own file.
 pub fn jwks_file(path: &Path) -> Result<Vec<(String, DecodingKey, Algorithm)>, KeyError> {
     const KEY: &str = "auth.jwks_file";
     let bytes = std::fs::read(path)
         .map_err(|e| invalid(KEY, format!("cannot read {}: {e}", path.display())))?;
-    let set: JwkSet = serde_json::from_slice(&bytes).map_err(|e| {
-        invalid(
-            KEY,
-            format!("{} is not a JWKS document: {e}", path.display()),
-        )
+    let keys = jwks(&bytes, &path.display().to_string(), |_, why| {
+        Err(invalid(KEY, why))
     })?;
+    Ok(keys.into_iter().map(|k| (k.kid, k.key, k.alg)).collect())
+}
+
+/// The usable keys of a JWKS fetched from an identity provider. A key that cannot be
+/// used is left out (and logged), as a provider's set may hold keys for other
+/// purposes; a symmetric key is never trusted from the network.
+pub(crate) fn fetched_jwks(bytes: &[u8], url: &str) -> Result<Vec<JwkKey>, KeyError> {
+    jwks(bytes, url, |named, why| {
+        tracing::warn!(
+            url,
+            key = named,
+            "ignoring a key of the fetched JWKS: {why}"
+        );
+        Ok(())
+    })
+}
+
+/// Parses a JWKS; `unusable(key, why)` decides whether a key that cannot be used is
+/// an error or is left out.
+fn jwks(
+    bytes: &[u8],
+    origin: &str,
+    unusable: impl Fn(&str, String) -> Result<(), KeyError>,
+) -> Result<Vec<JwkKey>, KeyError> {
+    let key_name = if origin.starts_with("http") {
+        "auth.jwks_url"
+    } else {
+        "auth.jwks_file"
+    };
+    let set: JwkSet = serde_json::from_slice(bytes)
+        .map_err(|e| invalid(key_name, format!("{origin} is not a JWKS document: {e}")))?;
     let mut keys = Vec::new();
     for (i, jwk) in set.keys.iter().enumerate() {
-        if matches!(jwk.common.public_key_use, Some(PublicKeyUse::Encryption)) {
-            continue;
+        if matches!(
+            jwk.common.public_key_use,
+            Some(PublicKeyUse::Encryption | PublicKeyUse::Other(_))
+        ) {
+            continue; // not a signing key
         }
         let kid = jwk.common.key_id.clone().unwrap_or_default();
-        let named = || format!("key {i} (kid {kid:?})");
-        let alg = match (&jwk.common.key_algorithm, &jwk.algorithm) {
-            (Some(alg), _) => format!("{alg:?}")
-                .parse::<Algorithm>()
-                .map_err(|_| invalid(KEY, format!("{}: unsupported alg {alg:?}", named())))?,
-            (None, AlgorithmParameters::RSA(_)) => Algorithm::RS256,
-            (None, AlgorithmParameters::EllipticCurve(ec)) => match ec.curve {
-                EllipticCurve::P256 => Algorithm::ES256,
-                EllipticCurve::P384 => Algorithm::ES384,
-                _ => return Err(invalid(KEY, format!("{}: unsupported curve", named()))),
-            },
-            (None, _) => return Err(invalid(KEY, format!("{}: unsupported key type", named()))),
-        };
-        if matches!(jwk.algorithm, AlgorithmParameters::OctetKey(_))
-            || matches!(alg, Algorithm::HS256 | Algorithm::HS384 | Algorithm::HS512)
-        {
-            return Err(invalid(
-                KEY,
-                format!("{}: symmetric keys are not accepted in a JWKS", named()),
-            ));
+        let named = format!("key {i} (kid {kid:?})");
+        let pinned = pin(jwk).and_then(|alg| {
+            DecodingKey::from_jwk(jwk)
+                .map(|key| (key, alg))
+                .map_err(|e| e.to_string())
+        });
+        match pinned {
+            Ok((key, alg)) => keys.push(JwkKey {
+                kid,
+                key,
+                alg,
+                json: serde_json::to_string(jwk).unwrap_or_default(),
+            }),
+            Err(why) => unusable(&named, format!("{named}: {why}"))?,
         }
-        let key =
-            DecodingKey::from_jwk(jwk).map_err(|e| invalid(KEY, format!("{}: {e}", named())))?;
-        keys.push((kid, key, alg));
     }
     if keys.is_empty() {
         return Err(invalid(
-            KEY,
-            format!("{} holds no signing keys", path.display()),
+            key_name,
+            format!("{origin} holds no usable signing keys"),
         ));
     }
-    if keys.len() > 1 && keys.iter().any(|(kid, _, _)| kid.is_empty()) {
+    if keys.len() > 1 && keys.iter().any(|k| k.kid.is_empty()) {
         return Err(invalid(
-            KEY,
+            key_name,
             "with more than one key, every key needs a kid",
         ));
     }
     Ok(keys)
+}
+
+/// The one algorithm a JWK may verify: its `alg` if it names one its type allows,
+/// otherwise its type's default.
+fn pin(jwk: &jsonwebtoken::jwk::Jwk) -> Result<Algorithm, String> {
+    use Algorithm::*;
+    let alg = match &jwk.common.key_algorithm {
+        Some(alg) => Some(
+            format!("{alg:?}")
+                .parse::<Algorithm>()
+                .map_err(|_| format!("unsupported alg {alg:?}"))?,
+        ),
+        None => None,
+    };
+    match (&jwk.algorithm, alg) {
+        (AlgorithmParameters::OctetKey(_), _) | (_, Some(HS256 | HS384 | HS512)) => {
+            Err("symmetric keys are not accepted in a JWKS".into())
+        }
+        (AlgorithmParameters::RSA(_), None) => Ok(RS256),
+        (
+            AlgorithmParameters::RSA(_),
+            Some(alg @ (RS256 | RS384 | RS512 | PS256 | PS384 | PS512)),
+        ) => Ok(alg),
+        (AlgorithmParameters::EllipticCurve(ec), alg) => match (&ec.curve, alg) {
+            (EllipticCurve::P256, None | Some(ES256)) => Ok(ES256),
+            (EllipticCurve::P384, None | Some(ES384)) => Ok(ES384),
+            (curve, Some(alg)) => Err(format!("alg {alg:?} contradicts its curve {curve:?}")),
+            (curve, None) => Err(format!("unsupported curve {curve:?}")),
+        },
+        (_, Some(alg)) => Err(format!("alg {alg:?} contradicts its key type")),
+        (_, None) => Err("unsupported key type".into()),
+    }
+}
+
+/// The HTTPS client's connector for fetching a provider's keys: rustls (ring) with
+/// the Mozilla roots, plus `ca_file`'s certificates for a private CA. Plain `http://`
+/// is connectable too; the URL rules (loopback only) are checked before.
+pub(crate) fn https_connector(
+    ca_file: Option<&Path>,
+) -> Result<
+    hyper_rustls::HttpsConnector<hyper_util::client::legacy::connect::HttpConnector>,
+    KeyError,
+> {
+    use rustls::pki_types::CertificateDer;
+    use rustls::pki_types::pem::PemObject;
+    const KEY: &str = "auth.ca_file";
+    let mut roots = rustls::RootCertStore::empty();
+    roots.extend(webpki_roots::TLS_SERVER_ROOTS.iter().cloned());
+    if let Some(path) = ca_file {
+        let certs: Vec<CertificateDer<'static>> = CertificateDer::pem_file_iter(path)
+            .map_err(|e| invalid(KEY, format!("cannot read {}: {e}", path.display())))?
+            .collect::<Result<_, _>>()
+            .map_err(|e| invalid(KEY, format!("{} is not PEM: {e}", path.display())))?;
+        if certs.is_empty() {
+            return Err(invalid(
+                KEY,
+                format!("{} holds no certificates", path.display()),
+            ));
+        }
+        for cert in certs {
+            roots
+                .add(cert)
+                .map_err(|e| invalid(KEY, format!("{}: {e}", path.display())))?;
+        }
+    }
+    let provider = std::sync::Arc::new(rustls::crypto::ring::default_provider());
+    let tls = rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .map_err(|e| invalid(KEY, e.to_string()))?
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    let mut http = hyper_util::client::legacy::connect::HttpConnector::new();
+    http.enforce_http(false);
+    http.set_connect_timeout(Some(std::time::Duration::from_secs(5)));
+    Ok(hyper_rustls::HttpsConnectorBuilder::new()
+        .with_tls_config(tls)
+        .https_or_http()
+        .enable_http1()
+        .wrap_connector(http))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The fixture's RSA and EC keys, with `changes` applied to copies of them.
+    fn set_with(extra: &[serde_json::Value]) -> Vec<u8> {
+        let fixture = include_str!("../tests/fixtures/jwks.json");
+        let mut set: serde_json::Value = serde_json::from_str(fixture).unwrap();
+        let keys = set["keys"].as_array_mut().unwrap();
+        keys.extend(extra.iter().cloned());
+        serde_json::to_vec(&set).unwrap()
+    }
+
+    #[test]
+    fn a_fetched_set_leaves_out_what_it_cannot_trust() {
+        let fixture: serde_json::Value =
+            serde_json::from_str(include_str!("../tests/fixtures/jwks.json")).unwrap();
+        let rsa = fixture["keys"][0].clone();
+        let mut contradicting = rsa.clone();
+        contradicting["kid"] = "rsa-as-ec".into();
+        contradicting["alg"] = "ES256".into();
+        let mut encryption = rsa.clone();
+        encryption["kid"] = "rsa-enc".into();
+        encryption["use"] = "enc".into();
+        let symmetric =
+            serde_json::json!({"kty": "oct", "kid": "shared", "k": "c2VjcmV0LXNlY3JldA"});
+        let body = set_with(&[contradicting, encryption, symmetric]);
+        let keys = fetched_jwks(&body, "https://idp.example/jwks").unwrap();
+        let kids: Vec<&str> = keys.iter().map(|k| k.kid.as_str()).collect();
+        assert_eq!(kids, ["rsa-1", "ec-1"]);
+        assert_eq!(keys[1].alg, Algorithm::ES256);
+
+        // The operator's own file is held to more: a symmetric key there is an error.
+        let dir = std::env::temp_dir().join(format!("jwks-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("jwks.json");
+        std::fs::write(
+            &file,
+            set_with(&[serde_json::json!({"kty": "oct", "kid": "s", "k": "c2VjcmV0"})]),
+        )
+        .unwrap();
+        let error = jwks_file(&file).err().unwrap().to_string();
+        assert!(error.contains("symmetric keys are not accepted"), "{error}");
+    }
+
+    #[test]
+    fn a_fetched_set_without_a_usable_key_is_an_error() {
+        let body = br#"{"keys":[{"kty":"oct","kid":"s","k":"c2VjcmV0"}]}"#;
+        let error = fetched_jwks(body, "https://idp.example/jwks")
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(error.contains("no usable signing keys"), "{error}");
+    }
 }

@@ -3,21 +3,26 @@
 //! # Layout
 //! - [`AuthConfig`]: the `[auth]` section of the gateway's config.
 //! - [`Authenticator`]: built once from the config; verifies tokens.
-//! - [`keys`]: loading HS256 secrets, PEM public keys and JWKS files.
+//! - [`keys`]: loading HS256 secrets, PEM public keys and JWKS documents.
+//! - `remote`: keys fetched from an identity provider (OIDC discovery or a JWKS URL),
+//!   refreshed in the background, refetched once for a token with an unknown `kid`.
 //! - [`mint_hs256`]: a development token for the `idemgate token` command.
 //!
 //! # What is checked
 //! The algorithm is pinned by the key, never taken from the token: an HS256 secret only
 //! accepts HS256, an RSA key RS256 and a P-256 key ES256 (so no `alg: none` and no
 //! HS/RS confusion). `exp` is required; `nbf` is honoured when present; `iss` and `aud`
-//! are required and checked when configured. With a JWKS, a token must name a known
-//! `kid` (a set of exactly one key also accepts tokens without `kid`). The tenant is
-//! the configured claim and must be a non-empty printable-ASCII string.
+//! are required and checked when configured (discovery pins `iss` to the issuer). With a
+//! JWKS, a token must name a known `kid` (a set of exactly one key also accepts tokens
+//! without `kid`). The tenant is the configured claim and must be a non-empty
+//! printable-ASCII string.
 #![forbid(unsafe_code)]
 
 pub mod keys;
+mod remote;
 
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Duration;
 
 use jsonwebtoken::{Algorithm, DecodingKey, EncodingKey, Header, Validation, errors::ErrorKind};
@@ -26,6 +31,7 @@ use serde::Deserialize;
 use serde_json::{Map, Value};
 
 pub use keys::KeyError;
+pub use remote::RemoteStats;
 
 /// The longest tenant id accepted.
 pub const MAX_TENANT_LEN: usize = 255;
@@ -43,13 +49,35 @@ pub struct AuthConfig {
     pub public_key_pem_file: Option<PathBuf>,
     /// A JWKS document on disk.
     pub jwks_file: Option<PathBuf>,
-    /// A JWKS URL: not fetched by this version (see README); refused with a clear error.
+    /// A JWKS fetched over HTTPS (or loopback HTTP) and refreshed.
     pub jwks_url: Option<String>,
+    /// An OpenID Connect issuer: its discovery document names the JWKS; sets `issuer`.
+    pub oidc_issuer: Option<String>,
+    /// How often fetched keys are refreshed (a shorter `Cache-Control: max-age` wins).
+    #[serde(default = "default_jwks_refresh", with = "humantime_serde")]
+    pub jwks_refresh: Duration,
+    /// The least time between two fetches, however many unknown `kid`s arrive.
+    #[serde(default = "default_jwks_min_refetch", with = "humantime_serde")]
+    pub jwks_min_refetch: Duration,
+    /// Extra root certificates (PEM) for a provider behind a private CA.
+    pub ca_file: Option<PathBuf>,
     pub issuer: Option<String>,
     pub audience: Option<String>,
+    /// Says that tokens for any audience are accepted from a provider (otherwise
+    /// `check-config` warns when `audience` is not set).
+    #[serde(default)]
+    pub allow_any_audience: bool,
     /// Clock skew allowed on `exp` and `nbf`.
     #[serde(default, with = "humantime_serde")]
     pub leeway: Duration,
+}
+
+fn default_jwks_refresh() -> Duration {
+    Duration::from_secs(300)
+}
+
+fn default_jwks_min_refetch() -> Duration {
+    Duration::from_secs(30)
 }
 
 fn default_tenant_claim() -> String {
@@ -71,6 +99,8 @@ pub enum AuthError {
     BadSignature,
     #[error("the token's key id is not known")]
     UnknownKey,
+    #[error("the identity provider's signing keys have not been loaded yet; try again shortly")]
+    KeysUnavailable,
     #[error("the token's issuer is not accepted")]
     Issuer,
     #[error("the token's audience is not accepted")]
@@ -102,15 +132,40 @@ enum KeySet {
     ByKid(Vec<(String, PinnedKey)>),
 }
 
+impl KeySet {
+    fn len(&self) -> usize {
+        match self {
+            KeySet::One(_) => 1,
+            KeySet::ByKid(set) => set.len(),
+        }
+    }
+}
+
+/// The keys: loaded once, or fetched and refreshed.
+enum Keys {
+    Static(KeySet),
+    Remote(Arc<remote::RemoteKeys>),
+}
+
+/// The claims every key checks besides its signature.
+#[derive(Debug, Clone)]
+struct Checks {
+    issuer: Option<String>,
+    audience: Option<String>,
+    leeway: u64,
+}
+
 /// Verifies bearer tokens. Built once at start-up.
 pub struct Authenticator {
-    keys: KeySet,
+    keys: Keys,
     tenant_claim: String,
     leeway: u64,
-    /// Tokens verified before, with their tenant and the second (Unix time) after which
-    /// they expire: a client sends the same token with every request, and verifying it
-    /// again gives the same answer until it expires.
-    verified: std::sync::Mutex<std::collections::HashMap<String, (Tenant, u64)>>,
+    /// Tokens verified before, with their tenant, the second (Unix time) after which
+    /// they expire and the key set's generation: a client sends the same token with
+    /// every request, and verifying it again gives the same answer until it expires
+    /// or the keys change.
+    verified: std::sync::Mutex<std::collections::HashMap<String, (Tenant, u64, u64)>>,
+    warnings: Vec<String>,
 }
 
 /// How many verified tokens are remembered; past it the memory starts over.
@@ -132,6 +187,7 @@ impl Authenticator {
             config.public_key_pem_file.is_some(),
             config.jwks_file.is_some(),
             config.jwks_url.is_some(),
+            config.oidc_issuer.is_some(),
         ];
         match sources.iter().filter(|s| **s).count() {
             1 => {}
@@ -144,18 +200,38 @@ impl Authenticator {
                 reason: "must not be empty".into(),
             });
         }
-        let pin = |alg: Algorithm| validation(alg, config);
+        let mut issuer = config.issuer.clone();
+        if let Some(oidc) = &config.oidc_issuer {
+            match &issuer {
+                Some(other) if other != oidc => {
+                    return Err(KeyError::Invalid {
+                        key: "auth.issuer",
+                        reason: format!(
+                            "{other:?} differs from auth.oidc_issuer {oidc:?}; leave it out (discovery sets it)"
+                        ),
+                    });
+                }
+                _ => issuer = Some(oidc.clone()),
+            }
+        }
+        let checks = Checks {
+            issuer,
+            audience: config.audience.clone(),
+            leeway: config.leeway.as_secs(),
+        };
+        let pin = |alg: Algorithm| checks.validation(alg);
+        let mut warnings = Vec::new();
         let keys = if let Some(secret) = &config.hs256_secret {
-            KeySet::One(Box::new(PinnedKey {
+            Keys::Static(KeySet::One(Box::new(PinnedKey {
                 key: keys::hs256(secret.expose_secret())?,
                 validation: pin(Algorithm::HS256),
-            }))
+            })))
         } else if let Some(path) = &config.public_key_pem_file {
             let (key, alg) = keys::pem_file(path)?;
-            KeySet::One(Box::new(PinnedKey {
+            Keys::Static(KeySet::One(Box::new(PinnedKey {
                 key,
                 validation: pin(alg),
-            }))
+            })))
         } else if let Some(path) = &config.jwks_file {
             let set = keys::jwks_file(path)?
                 .into_iter()
@@ -169,46 +245,134 @@ impl Authenticator {
                     )
                 })
                 .collect();
-            KeySet::ByKid(set)
+            Keys::Static(KeySet::ByKid(set))
         } else {
-            return Err(KeyError::Invalid {
-                key: "auth.jwks_url",
-                reason: "fetching a JWKS over the network is not supported yet; \
-                         save it and use auth.jwks_file"
-                    .into(),
-            });
+            let source = match (&config.oidc_issuer, &config.jwks_url) {
+                (Some(issuer), _) => {
+                    remote::check_url("auth.oidc_issuer", issuer)?;
+                    remote::Source::Discovery {
+                        issuer: issuer.clone(),
+                    }
+                }
+                (None, Some(url)) => {
+                    remote::check_url("auth.jwks_url", url)?;
+                    remote::Source::Jwks { url: url.clone() }
+                }
+                (None, None) => return Err(KeyError::NoSource),
+            };
+            if config.jwks_min_refetch.is_zero() || config.jwks_min_refetch > config.jwks_refresh {
+                return Err(KeyError::Invalid {
+                    key: "auth.jwks_min_refetch",
+                    reason: "must be more than 0 and at most auth.jwks_refresh".into(),
+                });
+            }
+            if config.audience.is_none() && !config.allow_any_audience {
+                warnings.push(
+                    "auth.audience is not set: tokens the provider issued for any other \
+                     application are accepted too; set it, or say auth.allow_any_audience = true"
+                        .into(),
+                );
+            }
+            let connector = keys::https_connector(config.ca_file.as_deref())?;
+            Keys::Remote(Arc::new(remote::RemoteKeys::new(
+                source,
+                connector,
+                checks.clone(),
+                config.jwks_refresh,
+                config.jwks_min_refetch,
+            )))
         };
         Ok(Self {
             keys,
             tenant_claim: config.tenant_claim.clone(),
             leeway: config.leeway.as_secs(),
             verified: Default::default(),
+            warnings,
         })
+    }
+
+    /// What `check-config` should say about this config besides errors.
+    pub fn warnings(&self) -> &[String] {
+        &self.warnings
+    }
+
+    /// Starts fetching and refreshing a provider's keys (nothing to do for static
+    /// keys). Must be called within a Tokio runtime; the task runs until aborted.
+    pub fn start(&self) -> Option<tokio::task::JoinHandle<()>> {
+        match &self.keys {
+            Keys::Static(_) => None,
+            Keys::Remote(remote) => Some(tokio::spawn(remote.clone().run())),
+        }
+    }
+
+    /// Whether tokens can be verified: always, except while a provider's keys have
+    /// not been fetched yet.
+    pub fn ready(&self) -> bool {
+        match &self.keys {
+            Keys::Static(_) => true,
+            Keys::Remote(remote) => remote.now().is_some(),
+        }
+    }
+
+    /// The fetched keys' counters, for a provider's keys.
+    pub fn remote_stats(&self) -> Option<RemoteStats> {
+        match &self.keys {
+            Keys::Static(_) => None,
+            Keys::Remote(remote) => Some(remote.stats()),
+        }
+    }
+
+    /// [`Authenticator::verify`], and for a token whose key the provider's set lacks
+    /// (a key rotated in since the last refresh), one refetch shared with every request
+    /// that asks at the same time, at most once per `auth.jwks_min_refetch`.
+    pub async fn verify_fetching(&self, token: &str) -> Result<Tenant, AuthError> {
+        match (self.verify(token), &self.keys) {
+            (Err(AuthError::UnknownKey | AuthError::KeysUnavailable), Keys::Remote(remote)) => {
+                remote.refetch().await;
+                self.verify(token)
+            }
+            (answer, _) => answer,
+        }
     }
 
     /// Verifies a token and returns its tenant.
     pub fn verify(&self, token: &str) -> Result<Tenant, AuthError> {
         let now = now_secs();
-        if let Some((tenant, until)) = self.verified.lock().expect("verified lock").get(token)
+        // A token verified before is checked against the keys' generation only: no
+        // lock on the key set.
+        let generation = match &self.keys {
+            Keys::Static(_) => 0,
+            Keys::Remote(remote) => remote.generation(),
+        };
+        if let Some((tenant, until, seen)) = self.verified.lock().expect("verified lock").get(token)
             && now <= *until
+            && *seen == generation
         {
             return Ok(tenant.clone());
         }
-        let (tenant, exp) = self.verify_signed(token)?;
+        let fetched;
+        let (keys, generation) = match &self.keys {
+            Keys::Static(set) => (set, 0),
+            Keys::Remote(remote) => {
+                fetched = remote.now().ok_or(AuthError::KeysUnavailable)?;
+                (&fetched.set, fetched.generation)
+            }
+        };
+        let (tenant, exp) = self.verify_signed(token, keys)?;
         let mut verified = self.verified.lock().expect("verified lock");
         if verified.len() >= VERIFIED_CAPACITY {
             verified.clear();
         }
         verified.insert(
             token.to_owned(),
-            (tenant.clone(), exp.saturating_add(self.leeway)),
+            (tenant.clone(), exp.saturating_add(self.leeway), generation),
         );
         Ok(tenant)
     }
 
     /// Full verification: the tenant and the token's `exp`.
-    fn verify_signed(&self, token: &str) -> Result<(Tenant, u64), AuthError> {
-        let pinned = match &self.keys {
+    fn verify_signed(&self, token: &str, keys: &KeySet) -> Result<(Tenant, u64), AuthError> {
+        let pinned = match keys {
             KeySet::One(key) => key,
             KeySet::ByKid(set) => {
                 let header =
@@ -248,26 +412,29 @@ fn valid_tenant(t: &str) -> bool {
     !t.is_empty() && t.len() <= MAX_TENANT_LEN && t.bytes().all(|b| (0x21..=0x7e).contains(&b))
 }
 
-fn validation(alg: Algorithm, config: &AuthConfig) -> Validation {
-    let mut v = Validation::new(alg);
-    v.leeway = config.leeway.as_secs();
-    v.validate_exp = true;
-    v.validate_nbf = true;
-    let mut required = vec!["exp"];
-    if let Some(issuer) = &config.issuer {
-        v.set_issuer(&[issuer]);
-        required.push("iss");
-    }
-    match &config.audience {
-        Some(audience) => {
-            v.set_audience(&[audience]);
-            required.push("aud");
+impl Checks {
+    /// The validation for a key that verifies `alg` only.
+    fn validation(&self, alg: Algorithm) -> Validation {
+        let mut v = Validation::new(alg);
+        v.leeway = self.leeway;
+        v.validate_exp = true;
+        v.validate_nbf = true;
+        let mut required = vec!["exp"];
+        if let Some(issuer) = &self.issuer {
+            v.set_issuer(&[issuer]);
+            required.push("iss");
         }
-        // Without a configured audience, a token's `aud` is not ours to judge.
-        None => v.validate_aud = false,
+        match &self.audience {
+            Some(audience) => {
+                v.set_audience(&[audience]);
+                required.push("aud");
+            }
+            // Without a configured audience, a token's `aud` is not ours to judge.
+            None => v.validate_aud = false,
+        }
+        v.set_required_spec_claims(&required);
+        v
     }
-    v.set_required_spec_claims(&required);
-    v
 }
 
 fn classify(kind: ErrorKind) -> AuthError {

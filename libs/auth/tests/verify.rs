@@ -22,8 +22,13 @@ fn config() -> AuthConfig {
         public_key_pem_file: None,
         jwks_file: None,
         jwks_url: None,
+        oidc_issuer: None,
+        jwks_refresh: Duration::from_secs(300),
+        jwks_min_refetch: Duration::from_secs(30),
+        ca_file: None,
         issuer: None,
         audience: None,
+        allow_any_audience: false,
         leeway: Duration::ZERO,
     }
 }

@@ -12,10 +12,12 @@
 //! - [`config`]: the config files those processes read.
 //! - [`client`]: [`Http`], tokens, answers and metrics.
 //! - [`proxy`]: [`FaultProxy`], a TCP proxy that can cut or slow a connection.
+//! - [`idp`]: [`Idp`], a real OpenID Connect provider (Node's `oidc-provider`).
 
 pub mod client;
 pub mod config;
 pub mod db;
+pub mod idp;
 pub mod processes;
 pub mod proxy;
 pub mod redis;
@@ -23,6 +25,7 @@ pub mod redis;
 pub use client::*;
 pub use config::*;
 pub use db::*;
+pub use idp::*;
 pub use processes::*;
 pub use proxy::*;
 pub use redis::*;

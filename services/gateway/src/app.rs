@@ -46,6 +46,18 @@ pub struct AppState {
     pub tasks: TaskTracker,
     /// Completions that lost the fence (the reconciler resolved the row first).
     pub fenced: std::sync::atomic::AtomicU64,
+    /// Fetches and refreshes an identity provider's keys, for as long as the state lives.
+    pub key_refresh: Option<AbortOnDrop>,
+}
+
+/// A task that ends with its owner.
+#[derive(Debug)]
+pub struct AbortOnDrop(pub tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
 }
 
 /// A gateway, bound and ready to serve.
@@ -72,6 +84,10 @@ impl Default for BuildOptions {
 impl Application {
     pub async fn build(config: Config, options: BuildOptions) -> anyhow::Result<Self> {
         let auth = Authenticator::from_config(&config.auth)?;
+        for warning in auth.warnings() {
+            tracing::warn!("{warning}");
+        }
+        let key_refresh = auth.start().map(AbortOnDrop);
         idem_telemetry::prometheus(); // record from the first request on
         describe_metrics();
         let pool =
@@ -119,6 +135,7 @@ impl Application {
             cpu: Arc::new(tokio::sync::Semaphore::new(cpu_heavy)),
             tasks: TaskTracker::new(),
             fenced: Default::default(),
+            key_refresh,
         };
         Ok(Self {
             listener,
@@ -232,12 +249,17 @@ async fn readyz(State(app): State<Arc<AppState>>) -> Response {
         MaybeCache::Some(_) => "down (serving from Postgres alone)",
         MaybeCache::None => "not configured",
     };
-    let body = json!({
-        "status": if postgres { "ready" } else { "not ready" },
+    // A provider's keys: until the first fetch succeeds no token can be verified.
+    let keys = app.auth.ready();
+    let mut body = json!({
+        "status": if postgres && keys { "ready" } else { "not ready" },
         "postgres": if postgres { "up" } else { "down" },
         "redis": redis,
     });
-    let status = if postgres {
+    if app.auth.remote_stats().is_some() {
+        body["auth_keys"] = json!(if keys { "loaded" } else { "not loaded yet" });
+    }
+    let status = if postgres && keys {
         StatusCode::OK
     } else {
         StatusCode::SERVICE_UNAVAILABLE
@@ -263,6 +285,12 @@ async fn metrics(State(app): State<Arc<AppState>>) -> Response {
         counter!("idemgate_cache_skipped_total").absolute(s.skipped);
         counter!("idemgate_cache_refused_total").absolute(s.refused);
         gauge!("idemgate_cache_watched_channels").set(s.watched as f64);
+    }
+    if let Some(keys) = app.auth.remote_stats() {
+        gauge!("idemgate_jwks_keys").set(keys.keys as f64);
+        counter!("idemgate_jwks_fetches_total").absolute(keys.fetches);
+        counter!("idemgate_jwks_refresh_errors_total").absolute(keys.refresh_errors);
+        gauge!("idemgate_jwks_last_success_timestamp_seconds").set(keys.last_success_unix as f64);
     }
     (
         [(http::header::CONTENT_TYPE, "text/plain; version=0.0.4")],
@@ -298,6 +326,22 @@ fn describe_metrics() {
     describe_counter!(
         "idemgate_ledger_errors_total",
         "Ledger statements that failed or timed out."
+    );
+    describe_gauge!(
+        "idemgate_jwks_keys",
+        "Signing keys in the identity provider's set in use (0 until the first fetch)."
+    );
+    describe_counter!(
+        "idemgate_jwks_fetches_total",
+        "Fetches of the identity provider's keys (discovery and JWKS as one)."
+    );
+    describe_counter!(
+        "idemgate_jwks_refresh_errors_total",
+        "Fetches of the identity provider's keys that failed (the last good keys stayed)."
+    );
+    describe_gauge!(
+        "idemgate_jwks_last_success_timestamp_seconds",
+        "When a fetch of the identity provider's keys last succeeded (Unix time)."
     );
     describe_counter!(
         "idemgate_fenced_completions_total",

@@ -85,7 +85,11 @@ pub async fn handle(State(app): State<Arc<AppState>>, request: Request<Body>) ->
 
 async fn serve(app: Arc<AppState>, request: Request<Body>, span: Span) -> Handled {
     let (parts, body) = request.into_parts();
-    let tenant = match bearer(&parts.headers).and_then(|t| app.auth.verify(t)) {
+    let verified = match bearer(&parts.headers) {
+        Ok(token) => app.auth.verify_fetching(token).await,
+        Err(why) => Err(why),
+    };
+    let tenant = match verified {
         Ok(tenant) => tenant.0,
         Err(why) => return (Problem::Unauthorized(why), None).into(),
     };

@@ -233,7 +233,10 @@ async fn run(command: Command) -> anyhow::Result<()> {
         }
         Command::CheckConfig { config: path } => {
             let config = load(&path.config)?;
-            idem_auth::Authenticator::from_config(&config.auth)?;
+            let auth = idem_auth::Authenticator::from_config(&config.auth)?;
+            for warning in auth.warnings() {
+                eprintln!("warning: {warning}");
+            }
             println!(
                 "{}: OK ({} route(s): {})",
                 path.config.display(),

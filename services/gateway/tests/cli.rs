@@ -164,3 +164,37 @@ fn environment_variables_override_the_file() {
     );
     assert!(ok, "{stderr}");
 }
+
+/// An identity provider is trusted over https:// only (http:// on loopback, for
+/// development); a provider's tokens for any audience are accepted only when said.
+#[test]
+fn check_config_refuses_plain_http_to_a_provider_and_warns_without_an_audience() {
+    let provider = |url: &str| {
+        good()
+            .unset("auth.hs256_secret")
+            .set("auth.jwks_url", url)
+            .toml()
+    };
+    let (ok, _, stderr) = idemgate(&["check-config"], &provider("http://idp.example.com/jwks"));
+    assert!(!ok);
+    assert!(
+        stderr.contains("auth.jwks_url") && stderr.contains("https://"),
+        "{stderr}"
+    );
+
+    let (ok, _, stderr) = idemgate(&["check-config"], &provider("https://idp.example.com/jwks"));
+    assert!(ok, "{stderr}");
+    assert!(
+        stderr.contains("warning: auth.audience is not set"),
+        "{stderr}"
+    );
+
+    let said = good()
+        .unset("auth.hs256_secret")
+        .set("auth.oidc_issuer", "http://127.0.0.1:9/realms/acme")
+        .set("auth.allow_any_audience", true)
+        .toml();
+    let (ok, _, stderr) = idemgate(&["check-config"], &said);
+    assert!(ok, "{stderr}");
+    assert!(!stderr.contains("warning"), "{stderr}");
+}
