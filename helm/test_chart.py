@@ -60,7 +60,9 @@ def env_map(container) -> dict:
 
 
 class ChartTest(unittest.TestCase):
-    cases = {"default": {}, "production": production_values()}
+    cases = {"default": {}, "production": production_values(),
+             "oidc": {"auth": {"mode": "oidc", "oidcIssuer": "https://idp.example.com/realms/acme",
+                               "audience": "payments-api"}}}
 
     def test_lint_is_clean(self):
         for name, values in self.cases.items():
@@ -161,6 +163,22 @@ class ChartTest(unittest.TestCase):
                     {"config": {"server": {"header_read_timeout": "soon"}}}, {"redis": {"localCacheBytes": -1}}]:
             with self.assertRaises(Exception, msg=str(bad)):
                 render(bad)
+
+    def test_an_identity_provider_is_rendered_with_its_ca(self):
+        values = {"auth": {"mode": "oidc", "oidcIssuer": "https://keycloak.example.com/realms/acme",
+                           "audience": "payments-api", "ca": {"configMap": "idp-ca", "key": "ca.pem"}}}
+        docs = render(values)
+        config = tomllib.loads(by_kind(docs, "ConfigMap", "idemgate")[0]["data"]["idemgate.toml"])
+        self.assertEqual(config["auth"]["oidc_issuer"], "https://keycloak.example.com/realms/acme")
+        self.assertEqual(config["auth"]["ca_file"], "/etc/idemgate/ca/ca.pem")
+        self.assertNotIn("hs256_secret", config["auth"])
+        pod = by_kind(docs, "Deployment", "idemgate")[0]["spec"]["template"]["spec"]
+        self.assertIn({"name": "idp-ca", "configMap": {"name": "idp-ca"}}, pod["volumes"])
+        self.assertNotIn("IDEMGATE_AUTH__HS256_SECRET", env_map(pod["containers"][0]))
+        with self.assertRaises(Exception, msg="a provider over plain http"):
+            render({"auth": {"mode": "oidc", "oidcIssuer": "http://idp.example.com"}})
+        with self.assertRaises(Exception, msg="oidc without an issuer"):
+            render({"auth": {"mode": "oidc"}})
 
     def test_limits_are_values_with_the_binarys_defaults(self):
         # The defaults of DESIGN §11 / the README's limits table, as the binary has them.
