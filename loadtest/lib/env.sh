@@ -44,8 +44,9 @@ start_demo() { # sets DEMO (host:port)
   wait_http "http://$DEMO/healthz" payments-demo "$WORK/demo.log"
 }
 
-start_gateway() { # name "extra toml"; sets GW_URL and GW_PID
+start_gateway() { # name "extra toml"; sets GW_URL and GW_PID (GW_AUTH: the [auth] keys)
   local port; port=$(free_port)
+  local auth=${GW_AUTH:-"hs256_secret = \"$SECRET\""}
   cat >"$WORK/$1.toml" <<TOML
 [server]
 listen = "127.0.0.1:$port"
@@ -55,7 +56,7 @@ url = "$DB_URL"
 max_connections = ${PG_POOL:-16}
 $2
 [auth]
-hs256_secret = "$SECRET"
+$auth
 [[routes]]
 method = "POST"
 path = "/payments"
