@@ -175,8 +175,9 @@ class ChartTest(unittest.TestCase):
         pod = by_kind(docs, "Deployment", "idemgate")[0]["spec"]["template"]["spec"]
         self.assertIn({"name": "idp-ca", "configMap": {"name": "idp-ca"}}, pod["volumes"])
         self.assertNotIn("IDEMGATE_AUTH__HS256_SECRET", env_map(pod["containers"][0]))
-        with self.assertRaises(Exception, msg="a provider over plain http"):
-            render({"auth": {"mode": "oidc", "oidcIssuer": "http://idp.example.com"}})
+        for bad in ["http://idp.example.com", "http://localhost:80@evil.example", "https://a@evil.example"]:
+            with self.assertRaises(Exception, msg=bad):
+                render({"auth": {"mode": "oidc", "oidcIssuer": bad}})
         with self.assertRaises(Exception, msg="oidc without an issuer"):
             render({"auth": {"mode": "oidc"}})
 

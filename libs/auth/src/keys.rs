@@ -150,16 +150,19 @@ fn jwks(
             Err(why) => unusable(&named, format!("{named}: {why}"))?,
         }
     }
+    if keys.len() > 1 && keys.iter().any(|k| k.kid.is_empty()) {
+        // Without a kid no token can name the key: an operator's file is wrong, a
+        // provider's set is used without it.
+        unusable(
+            "a key without a kid",
+            "with more than one key, every key needs a kid".into(),
+        )?;
+        keys.retain(|k| !k.kid.is_empty());
+    }
     if keys.is_empty() {
         return Err(invalid(
             key_name,
             format!("{origin} holds no usable signing keys"),
-        ));
-    }
-    if keys.len() > 1 && keys.iter().any(|k| k.kid.is_empty()) {
-        return Err(invalid(
-            key_name,
-            "with more than one key, every key needs a kid",
         ));
     }
     Ok(keys)

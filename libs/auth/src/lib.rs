@@ -221,6 +221,14 @@ impl Authenticator {
         };
         let pin = |alg: Algorithm| checks.validation(alg);
         let mut warnings = Vec::new();
+        let fetched = config.jwks_url.is_some() || config.oidc_issuer.is_some();
+        if !fetched && (config.ca_file.is_some() || config.allow_any_audience) {
+            warnings.push(
+                "auth.ca_file and auth.allow_any_audience apply only to keys fetched from a \
+                 provider (auth.oidc_issuer or auth.jwks_url); they are ignored here"
+                    .into(),
+            );
+        }
         let keys = if let Some(secret) = &config.hs256_secret {
             Keys::Static(KeySet::One(Box::new(PinnedKey {
                 key: keys::hs256(secret.expose_secret())?,
@@ -265,6 +273,14 @@ impl Authenticator {
                     key: "auth.jwks_min_refetch",
                     reason: "must be more than 0 and at most auth.jwks_refresh".into(),
                 });
+            }
+            if config.oidc_issuer.is_none() && config.issuer.is_none() {
+                warnings.push(
+                    "auth.issuer is not set: with auth.jwks_url, tokens of any issuer that \
+                     shares those keys are accepted (some providers serve one JWKS for many \
+                     tenants); set it, or use auth.oidc_issuer"
+                        .into(),
+                );
             }
             if config.audience.is_none() && !config.allow_any_audience {
                 warnings.push(

@@ -75,6 +75,8 @@ pub(crate) struct RemoteKeys {
     last_fetch: Mutex<Option<Instant>>,
     /// Held for the length of a fetch: concurrent refetches share one.
     flight: tokio::sync::Mutex<()>,
+    /// Fetches finished (well or not): a refetch that waited sees whether one ran.
+    completed: AtomicU64,
     fetches: AtomicU64,
     errors: AtomicU64,
     last_success: AtomicU64,
@@ -99,7 +101,11 @@ impl RemoteKeys {
     ) -> Self {
         Self {
             source,
-            http: Client::builder(TokioExecutor::new()).build(connector),
+            // Fetches are minutes apart: a kept-alive connection would mostly meet the
+            // server's idle close when reused.
+            http: Client::builder(TokioExecutor::new())
+                .pool_max_idle_per_host(0)
+                .build(connector),
             checks,
             refresh,
             min_refetch,
@@ -108,6 +114,7 @@ impl RemoteKeys {
             jwks_uri: Mutex::new(None),
             last_fetch: Mutex::new(None),
             flight: tokio::sync::Mutex::new(()),
+            completed: AtomicU64::new(0),
             fetches: AtomicU64::new(0),
             errors: AtomicU64::new(0),
             last_success: AtomicU64::new(0),
@@ -135,24 +142,35 @@ impl RemoteKeys {
 
     /// For a token whose key is not in the set: fetches again, unless a fetch started
     /// less than `min_refetch` ago. Callers that arrive during a fetch wait for it and
-    /// share its result, so a flood of unknown kids costs one fetch per interval.
-    pub async fn refetch(&self) {
-        let asked = Instant::now();
-        let _flight = self.flight.lock().await;
-        let last = *self.last_fetch.lock().expect("fetch lock");
-        if let Some(last) = last
-            && (last >= asked || last.elapsed() < self.min_refetch)
-        {
-            return; // a fetch ran while we waited, or one ran a moment ago
-        }
-        if let Err(e) = self.fetch().await {
-            tracing::warn!(error = %e, "refetching the identity provider's keys failed");
-        }
+    /// share its result, so a flood of unknown kids costs one fetch per interval. The
+    /// fetch runs in a task of its own: a caller that goes away (a client that hung up)
+    /// cannot cancel it halfway and leave the interval spent for nothing.
+    pub async fn refetch(self: &Arc<Self>) {
+        let seen = self.completed.load(Ordering::Acquire);
+        let keys = self.clone();
+        let shared = tokio::spawn(async move {
+            let _flight = keys.flight.lock().await;
+            if keys.completed.load(Ordering::Acquire) != seen {
+                return; // a fetch finished while we waited: its answer is ours
+            }
+            let last = *keys.last_fetch.lock().expect("fetch lock");
+            if last.is_some_and(|last| last.elapsed() < keys.min_refetch) {
+                return; // one ran a moment ago
+            }
+            if let Err(e) = keys.fetch().await {
+                tracing::warn!(error = %e, "refetching the identity provider's keys failed");
+            }
+        });
+        let _ = shared.await;
     }
 
     /// The background task: the first fetch (retried until it succeeds), then a refresh
     /// every `refresh`, or sooner when the provider's `Cache-Control: max-age` says so,
     /// never more often than `min_refetch`.
+    ///
+    /// A failed fetch is retried: before the first success after 0.5 s, doubling up to
+    /// `min_refetch` (the gateway is not ready meanwhile); afterwards every
+    /// `min_refetch`, the last good keys serving meanwhile.
     pub async fn run(self: Arc<Self>) {
         let mut retry = FIRST_RETRY;
         loop {
@@ -165,10 +183,14 @@ impl RemoteKeys {
                             .map_or(self.refresh, |age| age.min(self.refresh))
                             .max(self.min_refetch)
                     }
+                    Err(e) if self.now().is_some() => {
+                        tracing::warn!(error = %e, "refreshing the identity provider's keys failed; the last good keys stay in use");
+                        self.min_refetch
+                    }
                     Err(e) => {
-                        tracing::warn!(error = %e, "fetching the identity provider's keys failed; the last good keys stay in use");
-                        let wait = retry.min(self.refresh);
-                        retry = (retry * 2).min(self.refresh);
+                        tracing::warn!(error = %e, "fetching the identity provider's keys failed; not ready until it succeeds");
+                        let wait = retry.min(self.min_refetch);
+                        retry = (retry * 2).min(self.min_refetch);
                         wait
                     }
                 }
@@ -182,7 +204,16 @@ impl RemoteKeys {
     async fn fetch(&self) -> Result<Option<Duration>, FetchError> {
         *self.last_fetch.lock().expect("fetch lock") = Some(Instant::now());
         self.fetches.fetch_add(1, Ordering::Relaxed);
-        let result = self.fetch_set().await;
+        // One deadline for discovery and the JWKS together.
+        let result = tokio::time::timeout(FETCH_TIMEOUT, self.fetch_set())
+            .await
+            .unwrap_or_else(|_| {
+                Err(FetchError::Http {
+                    url: self.describe(),
+                    why: format!("no answer within {FETCH_TIMEOUT:?}"),
+                })
+            });
+        self.completed.fetch_add(1, Ordering::AcqRel);
         match &result {
             Ok(_) => {
                 let unix = SystemTime::now()
@@ -281,7 +312,15 @@ impl RemoteKeys {
         Ok(found.jwks_uri)
     }
 
-    /// GET with a timeout and a size cap.
+    /// Where the keys come from, for messages.
+    fn describe(&self) -> String {
+        match &self.source {
+            Source::Discovery { issuer } => issuer.clone(),
+            Source::Jwks { url } => url.clone(),
+        }
+    }
+
+    /// GET with a size cap (the caller bounds the time).
     async fn get(&self, url: &str) -> Result<(HeaderMap, Bytes), FetchError> {
         let failed = |why: String| FetchError::Http {
             url: url.to_owned(),
@@ -298,7 +337,7 @@ impl RemoteKeys {
                 .http
                 .request(request)
                 .await
-                .map_err(|e| failed(format!("{e:#}")))?;
+                .map_err(|e| failed(causes(&e)))?;
             let (parts, body) = response.into_parts();
             if parts.status != StatusCode::OK {
                 return Err(failed(format!("answered {}", parts.status)));
@@ -309,10 +348,21 @@ impl RemoteKeys {
                 .map_err(|e| failed(format!("reading the body: {e}")))?;
             Ok((parts.headers, body.to_bytes()))
         };
-        tokio::time::timeout(FETCH_TIMEOUT, exchange)
-            .await
-            .map_err(|_| failed(format!("no answer within {FETCH_TIMEOUT:?}")))?
+        exchange.await
     }
+}
+
+/// An error and its causes, `: `-separated (hyper-util's own message alone is "client
+/// error (Connect)"; the certificate or connection problem is in its sources).
+fn causes(error: &dyn std::error::Error) -> String {
+    let mut text = error.to_string();
+    let mut source = error.source();
+    while let Some(cause) = source {
+        text.push_str(": ");
+        text.push_str(&cause.to_string());
+        source = cause.source();
+    }
+    text
 }
 
 /// `Cache-Control: max-age=N`, if the answer carries it.
@@ -322,7 +372,11 @@ fn max_age(headers: &HeaderMap) -> Option<Duration> {
         .iter()
         .filter_map(|v| v.to_str().ok())
         .flat_map(|v| v.split(','))
-        .find_map(|d| d.trim().strip_prefix("max-age=")?.parse().ok())
+        .find_map(|d| {
+            let (name, value) = d.trim().split_once('=')?;
+            name.eq_ignore_ascii_case("max-age")
+                .then(|| value.trim_matches('"').parse().ok())?
+        })
         .map(Duration::from_secs)
 }
 
@@ -370,6 +424,9 @@ mod tests {
         for bad in [
             "http://idp.example.com/jwks",
             "http://10.0.0.1/jwks",
+            "http://127.0.0.1.evil.example/jwks",
+            "http://127.0.0.1@evil.example/jwks",
+            "http://localhost:80@evil.example/jwks",
             "ftp://idp.example.com",
             "idp.example.com",
         ] {
@@ -383,7 +440,7 @@ mod tests {
         let mut headers = HeaderMap::new();
         headers.insert(
             header::CACHE_CONTROL,
-            "public, max-age=120, must-revalidate".parse().unwrap(),
+            "public, Max-Age=\"120\", must-revalidate".parse().unwrap(),
         );
         assert_eq!(max_age(&headers), Some(Duration::from_secs(120)));
         assert_eq!(max_age(&HeaderMap::new()), None);

@@ -162,6 +162,7 @@ pub fn idp_keys(path: &Path, kids: &[&str]) {
         .arg(path)
         .args(kids)
         .stdout(Stdio::null())
+        .stderr(Stdio::null())
         .status()
         .expect("run node genkeys.mjs");
     assert!(status.success(), "genkeys.mjs {kids:?}");
@@ -200,6 +201,10 @@ pub fn ca() -> TestCa {
         "2",
         "-subj",
         "/CN=idemgate test CA",
+        "-addext",
+        "basicConstraints=critical,CA:TRUE",
+        "-addext",
+        "keyUsage=critical,keyCertSign,cRLSign",
         "-keyout",
         &at("ca.key"),
         "-out",
