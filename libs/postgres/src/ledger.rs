@@ -169,10 +169,10 @@ impl PgLedger {
     }
 
     async fn try_claim(&self, c: &Claim<'_>) -> Result<Option<ClaimResult>, LedgerError> {
-        // One round trip: claim (insert, or take over an expired completed row) and, if
-        // another attempt holds the key, read its row in the same statement. The read
-        // sees the statement's snapshot, which may predate a row committed concurrently;
-        // then it returns nothing and we read again below.
+        // One round trip: read the live row, or else claim (insert, or take over an
+        // expired completed row). The read sees the statement's snapshot, which may
+        // predate a row committed concurrently; then the upsert conflicts, claims nothing,
+        // and we read again below.
         let row = self
             .bounded(
                 "claim",
@@ -450,13 +450,22 @@ macro_rules! key_columns {
 /// Inserts the row, or takes over one that is not live (completed and expired); else
 /// returns the live row.
 pub const CLAIM_SQL: &str = concat!(
-    "WITH claimed AS (\
+    // The live row, if any, by a plain read first: a replay (or a retry of a key in
+    // progress) takes no row lock, gets no transaction id and writes no WAL. Only when
+    // no live row is visible does the upsert run: it inserts, takes over an expired
+    // row, or (a row committed concurrently) does nothing and the caller reads again.
+    "WITH seen AS (\
+       SELECT k.* FROM idempotency_keys AS k \
+       WHERE k.tenant_id = $1 AND k.endpoint = $2 AND k.key = $3 AND ",
+    live!(),
+    "), claimed AS (\
        INSERT INTO idempotency_keys AS k \
          (tenant_id, endpoint, key, request_hash, status, attempt, locked_until, \
           trace_context, created_at, expires_at) \
-       VALUES ($1, $2, $3, $4, 'in_progress', $5, \
+       SELECT $1, $2, $3, $4, 'in_progress', $5, \
           now() + $6::float8 * interval '1 millisecond', $7, now(), \
-          now() + $8::float8 * interval '1 millisecond') \
+          now() + $8::float8 * interval '1 millisecond' \
+       WHERE NOT EXISTS (SELECT 1 FROM seen) \
        ON CONFLICT (tenant_id, endpoint, key) DO UPDATE SET \
           request_hash = EXCLUDED.request_hash, status = 'in_progress', \
           attempt = EXCLUDED.attempt, locked_until = EXCLUDED.locked_until, \
@@ -470,10 +479,7 @@ pub const CLAIM_SQL: &str = concat!(
     " RETURNING 1) \
      SELECT EXISTS (SELECT 1 FROM claimed) AS claimed, ",
     record_columns!(),
-    " FROM (SELECT 1) AS one \
-     LEFT JOIN idempotency_keys AS k \
-       ON k.tenant_id = $1 AND k.endpoint = $2 AND k.key = $3 AND ",
-    live!()
+    " FROM (SELECT 1) AS one LEFT JOIN seen AS k ON true"
 );
 
 pub const GET_SQL: &str = concat!(

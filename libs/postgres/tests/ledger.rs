@@ -322,3 +322,53 @@ async fn a_hold_ends_the_lease_at_once_and_is_fenced() {
     assert_eq!(taken.len(), 1, "probed at once, not after the 300 s lease");
     assert_eq!(ledger.count_held().await.unwrap(), 1);
 }
+
+/// A replay served by Postgres (Redis down, or a cold cache) only reads: it takes no
+/// row lock, so retries of one key never queue behind each other or behind anything
+/// else holding the row. (On the old main the claim was a locking upsert even for a
+/// completed row: with the row locked elsewhere it waited out the 5 s op timeout.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replay_reads_the_row_without_locking_it() {
+    use sqlx::Connection;
+    let db = TestDb::create().await;
+    let ledger = ledger(&db).await;
+    for (name, complete) in [("done", true), ("running", false)] {
+        let scope = scope(name);
+        let (attempt, claimed) = claim(&ledger, &scope, Duration::from_secs(30)).await;
+        assert!(matches!(claimed, ClaimResult::Claimed));
+        if complete {
+            let fence = ledger
+                .complete(&scope, attempt, &response("paid"), Duration::from_secs(60))
+                .await
+                .unwrap();
+            assert_eq!(fence, Fence::Held);
+        }
+        // Someone else holds the row's lock (a reconciler pass, a slow completion).
+        let mut other = sqlx::PgConnection::connect(&db.url).await.unwrap();
+        let mut tx = other.begin().await.unwrap();
+        sqlx::query("SELECT 1 FROM idempotency_keys WHERE key = $1 FOR UPDATE")
+            .bind(name)
+            .execute(&mut *tx)
+            .await
+            .unwrap();
+
+        let started = std::time::Instant::now();
+        let again = tokio::time::timeout(
+            Duration::from_secs(2),
+            claim(&ledger, &scope, Duration::from_secs(30)),
+        )
+        .await
+        .unwrap_or_else(|_| panic!("the {name} key's replay waited on the row lock"))
+        .1;
+        let ClaimResult::Existing(record) = again else {
+            panic!("{name}: {again:?}");
+        };
+        if complete {
+            assert_eq!(record.state, RecordState::Completed(response("paid")));
+        } else {
+            assert!(matches!(record.state, RecordState::InProgress { .. }));
+        }
+        assert!(started.elapsed() < Duration::from_secs(1));
+        tx.rollback().await.unwrap();
+    }
+}
