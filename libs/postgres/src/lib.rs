@@ -78,8 +78,9 @@ pub async fn connect(url: &str, settings: &PoolSettings) -> Result<PgPool, sqlx:
 const PING_IF_IDLE_FOR: Duration = Duration::from_secs(1);
 
 /// That ping may take this share of the acquire timeout; the rest is left for opening
-/// a new connection in place of one that did not answer.
-const PING_SHARE_OF_ACQUIRE: u32 = 4;
+/// a new connection in place of one that did not answer. (A quarter was too little: a
+/// process just resumed, or starved of CPU, gave up on healthy connections.)
+const PING_SHARE_OF_ACQUIRE: u32 = 2;
 
 /// Applies pending migrations. Safe to run from several processes at once (the
 /// migrator takes an advisory lock).

@@ -10,8 +10,8 @@ use std::time::{Duration, Instant};
 use common::*;
 use http::StatusCode;
 
-/// A gateway in front of the demo that trusts `auth` (dotted `auth.*` keys), refreshing
-/// every 2 s and refetching at most once a second.
+/// A gateway in front of the demo that trusts `auth` (`auth.*` keys, which may also
+/// override the defaults here: a refresh every 2 s, a refetch at most once a second).
 async fn gateway_trusting(db: &TestDb, demo: &Demo, auth: &[(&str, &str)]) -> Gateway {
     let mut cfg = TestConfig::new(db)
         .unset("auth.hs256_secret")
@@ -152,13 +152,12 @@ async fn a_rotated_key_is_fetched_on_the_first_request_that_names_it() {
     let files = key_files(&[&["rsa-old"], &["rsa-new"]]);
     let mut idp = Idp::start(&[("IDP_JWKS_FILE", files[0].to_str().unwrap())]).await;
     // No refresh during the test: only the unknown kid can bring the new key in.
-    let cfg = TestConfig::new(&db)
-        .unset("auth.hs256_secret")
-        .set("auth.oidc_issuer", idp.url.as_str())
-        .set("auth.audience", IDP_AUDIENCE)
-        .set("auth.jwks_refresh", "10m")
-        .set("auth.jwks_min_refetch", "1s");
-    let gw = Gateway::start(config(cfg.payments(&demo, |r| r))).await;
+    let gw = gateway_trusting(
+        &db,
+        &demo,
+        &[("oidc_issuer", &idp.url), ("jwks_refresh", "10m")],
+    )
+    .await;
     let http = Http::default();
     until_ready(&http, &gw, Duration::from_secs(10)).await;
     assert_eq!(
@@ -299,13 +298,16 @@ async fn a_flood_of_unknown_key_ids_costs_one_fetch() {
     let demo = Demo::start(&db).await;
     let idp = Idp::start(&[]).await;
     // A long refresh: every fetch below is a refetch.
-    let cfg = TestConfig::new(&db)
-        .unset("auth.hs256_secret")
-        .set("auth.oidc_issuer", idp.url.as_str())
-        .set("auth.audience", IDP_AUDIENCE)
-        .set("auth.jwks_refresh", "10m")
-        .set("auth.jwks_min_refetch", "2s");
-    let gw = Gateway::start(config(cfg.payments(&demo, |r| r))).await;
+    let gw = gateway_trusting(
+        &db,
+        &demo,
+        &[
+            ("oidc_issuer", &idp.url),
+            ("jwks_refresh", "10m"),
+            ("jwks_min_refetch", "2s"),
+        ],
+    )
+    .await;
     let http = Http::default();
     until_ready(&http, &gw, Duration::from_secs(10)).await;
     // Real time: past min_refetch, so the flood may fetch (once).
