@@ -200,53 +200,6 @@ fn pin(jwk: &jsonwebtoken::jwk::Jwk) -> Result<Algorithm, String> {
     }
 }
 
-/// The HTTPS client's connector for fetching a provider's keys: rustls (ring) with
-/// the Mozilla roots, plus `ca_file`'s certificates for a private CA. Plain `http://`
-/// is connectable too; the URL rules (loopback only) are checked before.
-pub(crate) fn https_connector(
-    ca_file: Option<&Path>,
-) -> Result<
-    hyper_rustls::HttpsConnector<hyper_util::client::legacy::connect::HttpConnector>,
-    KeyError,
-> {
-    use rustls::pki_types::CertificateDer;
-    use rustls::pki_types::pem::PemObject;
-    const KEY: &str = "auth.ca_file";
-    let mut roots = rustls::RootCertStore::empty();
-    roots.extend(webpki_roots::TLS_SERVER_ROOTS.iter().cloned());
-    if let Some(path) = ca_file {
-        let certs: Vec<CertificateDer<'static>> = CertificateDer::pem_file_iter(path)
-            .map_err(|e| invalid(KEY, format!("cannot read {}: {e}", path.display())))?
-            .collect::<Result<_, _>>()
-            .map_err(|e| invalid(KEY, format!("{} is not PEM: {e}", path.display())))?;
-        if certs.is_empty() {
-            return Err(invalid(
-                KEY,
-                format!("{} holds no certificates", path.display()),
-            ));
-        }
-        for cert in certs {
-            roots
-                .add(cert)
-                .map_err(|e| invalid(KEY, format!("{}: {e}", path.display())))?;
-        }
-    }
-    let provider = std::sync::Arc::new(rustls::crypto::ring::default_provider());
-    let tls = rustls::ClientConfig::builder_with_provider(provider)
-        .with_safe_default_protocol_versions()
-        .map_err(|e| invalid(KEY, e.to_string()))?
-        .with_root_certificates(roots)
-        .with_no_client_auth();
-    let mut http = hyper_util::client::legacy::connect::HttpConnector::new();
-    http.enforce_http(false);
-    http.set_connect_timeout(Some(std::time::Duration::from_secs(5)));
-    Ok(hyper_rustls::HttpsConnectorBuilder::new()
-        .with_tls_config(tls)
-        .https_or_http()
-        .enable_http1()
-        .wrap_connector(http))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -241,19 +241,7 @@ impl Authenticator {
                 validation: pin(alg),
             })))
         } else if let Some(path) = &config.jwks_file {
-            let set = keys::jwks_file(path)?
-                .into_iter()
-                .map(|(kid, key, alg)| {
-                    (
-                        kid,
-                        PinnedKey {
-                            key,
-                            validation: pin(alg),
-                        },
-                    )
-                })
-                .collect();
-            Keys::Static(KeySet::ByKid(set))
+            Keys::Static(checks.key_set(keys::jwks_file(path)?))
         } else {
             let source = match (&config.oidc_issuer, &config.jwks_url) {
                 (Some(issuer), _) => {
@@ -289,7 +277,7 @@ impl Authenticator {
                         .into(),
                 );
             }
-            let connector = keys::https_connector(config.ca_file.as_deref())?;
+            let connector = remote::https_connector(config.ca_file.as_deref())?;
             Keys::Remote(Arc::new(remote::RemoteKeys::new(
                 source,
                 connector,
@@ -429,6 +417,15 @@ fn valid_tenant(t: &str) -> bool {
 }
 
 impl Checks {
+    /// A JWKS's keys, each pinned to its algorithm.
+    fn key_set(&self, keys: impl IntoIterator<Item = (String, DecodingKey, Algorithm)>) -> KeySet {
+        let pinned = keys.into_iter().map(|(kid, key, alg)| {
+            let validation = self.validation(alg);
+            (kid, PinnedKey { key, validation })
+        });
+        KeySet::ByKid(pinned.collect())
+    }
+
     /// The validation for a key that verifies `alg` only.
     fn validation(&self, alg: Algorithm) -> Validation {
         let mut v = Validation::new(alg);

@@ -6,6 +6,7 @@
 //! good keys (and is counted). Every change bumps [`KeysNow::generation`], which the
 //! verified-token memory is tagged with, so no token outlives the key that signed it.
 
+use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -21,7 +22,7 @@ use serde::Deserialize;
 use tokio::time::Instant;
 
 use crate::keys::{self, KeyError};
-use crate::{Checks, KeySet, PinnedKey};
+use crate::{Checks, KeySet};
 
 /// The longest JWKS or discovery document read.
 const MAX_DOCUMENT_BYTES: usize = 512 * 1024;
@@ -245,21 +246,9 @@ impl RemoteKeys {
         let current = self.now();
         if current.as_ref().is_none_or(|now| now.identity != identity) {
             let generation = current.as_ref().map_or(1, |now| now.generation + 1);
-            let set = KeySet::ByKid(
-                found
-                    .into_iter()
-                    .map(|k| {
-                        let validation = self.checks.validation(k.alg);
-                        (
-                            k.kid,
-                            PinnedKey {
-                                key: k.key,
-                                validation,
-                            },
-                        )
-                    })
-                    .collect(),
-            );
+            let set = self
+                .checks
+                .key_set(found.into_iter().map(|k| (k.kid, k.key, k.alg)));
             tracing::info!(
                 url,
                 keys = identity.len(),
@@ -363,6 +352,50 @@ fn causes(error: &dyn std::error::Error) -> String {
         source = cause.source();
     }
     text
+}
+
+/// The HTTPS client's connector for fetching a provider's keys: rustls (ring) with
+/// the Mozilla roots, plus `ca_file`'s certificates for a private CA. Plain `http://`
+/// is connectable too; the URL rules (loopback only) are checked before.
+pub(crate) fn https_connector(
+    ca_file: Option<&Path>,
+) -> Result<HttpsConnector<HttpConnector>, KeyError> {
+    use rustls::pki_types::CertificateDer;
+    use rustls::pki_types::pem::PemObject;
+    let invalid = |reason: String| KeyError::Invalid {
+        key: "auth.ca_file",
+        reason,
+    };
+    let mut roots = rustls::RootCertStore::empty();
+    roots.extend(webpki_roots::TLS_SERVER_ROOTS.iter().cloned());
+    if let Some(path) = ca_file {
+        let certs: Vec<CertificateDer<'static>> = CertificateDer::pem_file_iter(path)
+            .map_err(|e| invalid(format!("cannot read {}: {e}", path.display())))?
+            .collect::<Result<_, _>>()
+            .map_err(|e| invalid(format!("{} is not PEM: {e}", path.display())))?;
+        if certs.is_empty() {
+            return Err(invalid(format!("{} holds no certificates", path.display())));
+        }
+        for cert in certs {
+            roots
+                .add(cert)
+                .map_err(|e| invalid(format!("{}: {e}", path.display())))?;
+        }
+    }
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let tls = rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .map_err(|e| invalid(e.to_string()))?
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    let mut http = HttpConnector::new();
+    http.enforce_http(false);
+    http.set_connect_timeout(Some(FETCH_TIMEOUT));
+    Ok(hyper_rustls::HttpsConnectorBuilder::new()
+        .with_tls_config(tls)
+        .https_or_http()
+        .enable_http1()
+        .wrap_connector(http))
 }
 
 /// `Cache-Control: max-age=N`, if the answer carries it.

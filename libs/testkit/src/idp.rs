@@ -64,27 +64,39 @@ impl Idp {
             "the test identity provider is not installed: run `npm ci --prefix libs/auth/tests/idp` \
              (scripts/test does)"
         );
+        // Its stderr goes to a file, named when it does not come up.
+        let log = std::env::temp_dir().join(format!("idemgate-idp-{}.log", self.port));
+        let stderr = std::fs::File::create(&log).expect("the provider's log file");
         let mut child = Command::new("node")
             .arg(dir.join("provider.mjs"))
             .env("IDP_PORT", self.port.to_string())
             .envs(self.env.iter().map(|(k, v)| (k, v)))
             .stdout(Stdio::piped())
-            .stderr(Stdio::null())
+            .stderr(stderr)
             .kill_on_drop(true)
             .spawn()
             .expect("run node (Node.js 20 or later must be installed)");
         let stdout = child.stdout.take().unwrap();
         let mut lines = BufReader::new(stdout).lines();
-        let url = tokio::time::timeout(Duration::from_secs(20), async {
+        // Up to half a minute: eight of these starting at once on two cores is slow.
+        let url = tokio::time::timeout(Duration::from_secs(30), async {
             while let Some(line) = lines.next_line().await.expect("read stdout") {
                 if let Some(url) = line.strip_prefix("idp listening on ") {
-                    return url.to_owned();
+                    return Some(url.to_owned());
                 }
             }
-            panic!("the identity provider exited before listening");
+            None
         })
         .await
-        .expect("the identity provider listened in time");
+        .ok()
+        .flatten()
+        .unwrap_or_else(|| {
+            let said = std::fs::read_to_string(&log).unwrap_or_default();
+            panic!(
+                "the identity provider did not listen on port {}: {said}",
+                self.port
+            )
+        });
         tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
         self.url = url;
         self.child = Some(child);

@@ -47,17 +47,7 @@ pub struct AppState {
     /// Completions that lost the fence (the reconciler resolved the row first).
     pub fenced: std::sync::atomic::AtomicU64,
     /// Fetches and refreshes an identity provider's keys, for as long as the state lives.
-    pub key_refresh: Option<AbortOnDrop>,
-}
-
-/// A task that ends with its owner.
-#[derive(Debug)]
-pub struct AbortOnDrop(pub tokio::task::JoinHandle<()>);
-
-impl Drop for AbortOnDrop {
-    fn drop(&mut self) {
-        self.0.abort();
-    }
+    pub key_refresh: Option<tokio_util::task::AbortOnDropHandle<()>>,
 }
 
 /// A gateway, bound and ready to serve.
@@ -87,7 +77,7 @@ impl Application {
         for warning in auth.warnings() {
             tracing::warn!("{warning}");
         }
-        let key_refresh = auth.start().map(AbortOnDrop);
+        let key_refresh = auth.start().map(tokio_util::task::AbortOnDropHandle::new);
         idem_telemetry::prometheus(); // record from the first request on
         describe_metrics();
         let pool =
