@@ -97,6 +97,7 @@ impl Idp {
                 self.port
             )
         });
+        let _ = std::fs::remove_file(&log); // it came up: nothing to read later
         tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
         self.url = url;
         self.child = Some(child);
