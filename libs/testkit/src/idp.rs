@@ -29,9 +29,9 @@ fn dir() -> PathBuf {
 }
 
 impl Idp {
-    /// Starts a provider on a free port with these `IDP_*` variables.
+    /// Starts a provider on a port it picks, with these `IDP_*` variables.
     pub async fn start(env: &[(&str, &str)]) -> Self {
-        Self::start_on(crate::free_port(false), env).await
+        Self::start_on(0, env).await
     }
 
     pub async fn start_on(port: u16, env: &[(&str, &str)]) -> Self {
@@ -65,7 +65,10 @@ impl Idp {
              (scripts/test does)"
         );
         // Its stderr goes to a file, named when it does not come up.
-        let log = std::env::temp_dir().join(format!("idemgate-idp-{}.log", self.port));
+        let log = std::env::temp_dir().join(format!(
+            "idemgate-idp-{}.log",
+            uuid::Uuid::new_v4().simple()
+        ));
         let stderr = std::fs::File::create(&log).expect("the provider's log file");
         let mut child = Command::new("node")
             .arg(dir.join("provider.mjs"))
@@ -93,12 +96,18 @@ impl Idp {
         .unwrap_or_else(|| {
             let said = std::fs::read_to_string(&log).unwrap_or_default();
             panic!(
-                "the identity provider did not listen on port {}: {said}",
+                "the identity provider did not listen (port {}, 0 = any): {said}",
                 self.port
             )
         });
         let _ = std::fs::remove_file(&log); // it came up: nothing to read later
         tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
+        // Port 0 asked the provider to pick one; a restart keeps it.
+        self.port = url
+            .rsplit(':')
+            .next()
+            .and_then(|port| port.parse().ok())
+            .unwrap_or_else(|| panic!("no port in the provider's URL {url}"));
         self.url = url;
         self.child = Some(child);
     }

@@ -194,19 +194,32 @@ pub async fn read_listen_line(child: &mut Child, prefix: &str) -> SocketAddr {
     line.parse().expect("a socket address")
 }
 
-/// A free TCP port on 127.0.0.1 (and, for cluster nodes, its bus port + 10000 too).
+/// A free TCP port on 127.0.0.1 (and, for cluster nodes, its bus port + 10000 too) for
+/// a process to listen on later.
+///
+/// It comes from below the kernel's ephemeral range, so no `bind(0)` and no outgoing
+/// connection of another test can take it before that process listens: a port from
+/// `bind(0)` raced with other tests' sockets (EADDRINUSE in CI).
 pub fn free_port(with_bus: bool) -> u16 {
+    let (low, high) = if with_bus {
+        (10_000, 22_000)
+    } else {
+        (10_000, 32_000)
+    };
+    let ephemeral_low = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|range| range.split_whitespace().next()?.parse::<u32>().ok())
+        .unwrap_or(32_768);
+    let high = high.min(ephemeral_low.saturating_sub(if with_bus { 10_000 } else { 0 }));
+    assert!(
+        high > low + 1_000,
+        "the ephemeral port range starts at {ephemeral_low}: the tests need ports below it"
+    );
+    let free = |port: u32| std::net::TcpListener::bind(("127.0.0.1", port as u16)).is_ok();
     loop {
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
-        if !with_bus {
-            return port;
-        }
-        if port < 55_000 && std::net::TcpListener::bind(("127.0.0.1", port + 10_000)).is_ok() {
-            return port;
+        let port = low + (uuid::Uuid::new_v4().as_u128() % u128::from(high - low)) as u32;
+        if free(port) && (!with_bus || free(port + 10_000)) {
+            return port as u16;
         }
     }
 }
