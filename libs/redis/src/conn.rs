@@ -96,6 +96,8 @@ pub struct Stats {
     pub hits: AtomicU64,
     pub misses: AtomicU64,
     pub errors: AtomicU64,
+    /// Of the errors, calls Redis did not answer within the op timeout.
+    pub timeouts: AtomicU64,
     /// Calls skipped because the breaker was open.
     pub skipped: AtomicU64,
     /// Writes Redis refused because it was out of memory (the breaker stays closed).
@@ -182,6 +184,7 @@ impl Breaker {
                 None
             }
             Err(_) => {
+                self.stats.timeouts.fetch_add(1, Ordering::Relaxed);
                 self.trip(&format!("no answer within {:?}", self.op_timeout));
                 None
             }

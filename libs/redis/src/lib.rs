@@ -52,6 +52,8 @@ pub struct CacheStats {
     pub hits: u64,
     pub misses: u64,
     pub errors: u64,
+    /// Of the errors, calls not answered in time.
+    pub timeouts: u64,
     pub skipped: u64,
     /// Writes refused for lack of memory (the breaker stayed closed).
     pub refused: u64,
@@ -101,6 +103,7 @@ impl RedisCache {
             hits: s.hits.load(Ordering::Relaxed),
             misses: s.misses.load(Ordering::Relaxed),
             errors: s.errors.load(Ordering::Relaxed),
+            timeouts: s.timeouts.load(Ordering::Relaxed),
             skipped: s.skipped.load(Ordering::Relaxed),
             refused: s.refused.load(Ordering::Relaxed),
             watched: self.notifier.watched(),

