@@ -20,8 +20,8 @@
 //! reconciler installs a fresh token when it resolves a row, which fences out the
 //! original gateway.
 
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -36,6 +36,7 @@ use sqlx::{PgPool, Postgres, Row};
 use tracing::Instrument;
 use uuid::Uuid;
 
+use crate::group::{Batch, Pipe, Written};
 use crate::headers;
 
 /// How often a claim is retried when the row it conflicted with vanished before it
@@ -51,8 +52,17 @@ pub struct PgLedger {
     pool: PgPool,
     /// Upper bound on one ledger call, so a hung connection cannot hang a request.
     op_timeout: Duration,
-    /// Statements sent, for metrics and for tests that prove a path never touched Postgres.
+    /// Calls made, for metrics and for tests that prove a path never touched Postgres
+    /// (claims and completions may share a statement: see [`crate::group`]).
     calls: Arc<AtomicU64>,
+    /// The group-commit pipes, started on first use (on the runtime that uses them).
+    pipes: Arc<Pipes>,
+}
+
+#[derive(Debug, Default)]
+struct Pipes {
+    claims: OnceLock<Pipe<Claims>>,
+    completions: OnceLock<Pipe<Completions>>,
 }
 
 /// An in-progress row whose lease ran out, as the reconciler took it.
@@ -110,7 +120,43 @@ impl PgLedger {
             pool,
             op_timeout,
             calls: Arc::default(),
+            pipes: Arc::default(),
         }
+    }
+
+    /// Group statements of one kind in flight at a time: a quarter of the pool each for
+    /// claims and completions, so single-row statements (reads, releases, the
+    /// reconciler's) always find connections too.
+    fn in_flight(&self) -> usize {
+        (self.pool.options().get_max_connections() as usize / 4).max(1)
+    }
+
+    fn claims(&self) -> &Pipe<Claims> {
+        self.pipes
+            .claims
+            .get_or_init(|| Pipe::start(self.pool.clone(), self.in_flight(), self.op_timeout))
+    }
+
+    fn completions(&self) -> &Pipe<Completions> {
+        self.pipes
+            .completions
+            .get_or_init(|| Pipe::start(self.pool.clone(), self.in_flight(), self.op_timeout))
+    }
+
+    /// What group commit has written for claims and for completions so far.
+    pub fn written(&self) -> (Written, Written) {
+        (
+            self.pipes
+                .claims
+                .get()
+                .map(Pipe::written)
+                .unwrap_or_default(),
+            self.pipes
+                .completions
+                .get()
+                .map(Pipe::written)
+                .unwrap_or_default(),
+        )
     }
 
     /// How many statements this ledger (and its clones) has sent.
@@ -128,6 +174,22 @@ impl PgLedger {
         operation: &'static str,
         fut: impl Future<Output = Result<T, sqlx::Error>>,
     ) -> Result<T, LedgerError> {
+        self.traced(operation, async {
+            match tokio::time::timeout(self.op_timeout, fut).await {
+                Ok(result) => result.map_err(LedgerError::new),
+                Err(_) => Err(LedgerError::new(crate::Timeout(self.op_timeout))),
+            }
+        })
+        .await
+    }
+
+    /// Runs one call, already bounded (by itself, or by its pipe), in a client span,
+    /// counting it.
+    async fn traced<T>(
+        &self,
+        operation: &'static str,
+        fut: impl Future<Output = Result<T, LedgerError>>,
+    ) -> Result<T, LedgerError> {
         self.calls.fetch_add(1, Ordering::Relaxed);
         let span = tracing::info_span!(
             "postgres",
@@ -135,13 +197,7 @@ impl PgLedger {
             db.system.name = "postgresql",
             db.operation.name = operation
         );
-        let result = match tokio::time::timeout(self.op_timeout, fut)
-            .instrument(span)
-            .await
-        {
-            Ok(result) => result.map_err(LedgerError::new),
-            Err(_) => Err(LedgerError::new(crate::Timeout(self.op_timeout))),
-        };
+        let result = fut.instrument(span).await;
         if result.is_err() {
             idem_telemetry::metrics::counter!("idemgate_ledger_errors_total").increment(1);
         }
@@ -169,36 +225,22 @@ impl PgLedger {
     }
 
     async fn try_claim(&self, c: &Claim<'_>) -> Result<Option<ClaimResult>, LedgerError> {
-        // One round trip: read the live row, or else claim (insert, or take over an
-        // expired completed row). The read sees the statement's snapshot, which may
-        // predate a row committed concurrently; then the upsert conflicts, claims nothing,
-        // and we read again below.
-        let row = self
-            .bounded(
-                "claim",
-                Self::on(CLAIM_SQL, c.scope)
-                    .bind(&c.fingerprint.as_bytes()[..])
-                    .bind(c.attempt.0)
-                    .bind(millis(c.lease))
-                    .bind(c.trace_context)
-                    .bind(millis(c.ttl))
-                    .fetch_one(&self.pool),
-            )
-            .await?;
-        if row
-            .try_get::<bool, _>("claimed")
-            .map_err(LedgerError::new)?
-        {
-            return Ok(Some(ClaimResult::Claimed));
+        // With whatever other claims are queued, in one round trip: read the live row, or
+        // else claim (insert, or take over an expired completed row). The read sees the
+        // statement's snapshot, which may predate a row committed concurrently; then the
+        // upsert conflicts, claims nothing, and we read again below.
+        let row = ClaimRow {
+            scope: c.scope.clone(),
+            fingerprint: *c.fingerprint.as_bytes(),
+            attempt: c.attempt.0,
+            lease_ms: millis(c.lease),
+            trace_context: c.trace_context.map(str::to_owned),
+            ttl_ms: millis(c.ttl),
+        };
+        match self.traced("claim", self.claims().write(row)).await?? {
+            Some(result) => Ok(Some(result)),
+            None => Ok(self.get(c.scope).await?.map(ClaimResult::Existing)),
         }
-        if row
-            .try_get::<Option<Uuid>, _>("attempt")
-            .map_err(LedgerError::new)?
-            .is_some()
-        {
-            return Ok(Some(ClaimResult::Existing(record(&row)?)));
-        }
-        Ok(self.get(c.scope).await?.map(ClaimResult::Existing))
     }
 
     /// Deletes an in-progress row so a retry may execute: fenced by `attempt`, or by
@@ -361,26 +403,16 @@ impl Ledger for PgLedger {
         ttl: Duration,
     ) -> Result<Fence, LedgerError> {
         crate::failpoint::stop_here("stop-before-complete");
-        let statement = Self::on(COMPLETE_SQL, scope)
-            .bind(attempt.0)
-            .bind(i32::from(response.status))
-            .bind(headers::encode(&response.headers))
-            .bind(&response.body[..])
-            .bind(millis(ttl))
-            .bind(response.body_omitted);
-        let result = self
-            .bounded("complete", async {
-                let mut conn = self.pool.acquire().await?;
-                if response.body.len() > CLOSE_AFTER_BYTES {
-                    // The connection's write buffer grew to hold this body, and sqlx never
-                    // shrinks it: a pool of such connections would keep one large body's
-                    // worth of memory each, for good. This one is closed after use.
-                    conn.close_on_drop();
-                }
-                statement.execute(&mut *conn).await
-            })
-            .await?;
-        Ok(fence(result.rows_affected()))
+        let row = CompleteRow {
+            scope: scope.clone(),
+            attempt: attempt.0,
+            status: i32::from(response.status),
+            headers: headers::encode(&response.headers),
+            body: response.body.clone(),
+            ttl_ms: millis(ttl),
+            omitted: response.body_omitted,
+        };
+        self.traced("complete", self.completions().write(row)).await
     }
 
     async fn release(&self, scope: &Scope, attempt: AttemptId) -> Result<Fence, LedgerError> {
@@ -391,6 +423,128 @@ impl Ledger for PgLedger {
         self.fenced("hold", Self::on(HOLD_SQL, scope).bind(attempt.0))
             .await
     }
+}
+
+/// One claim as its pipe queues it.
+#[derive(Debug)]
+struct ClaimRow {
+    scope: Scope,
+    fingerprint: [u8; 32],
+    attempt: Uuid,
+    lease_ms: f64,
+    trace_context: Option<String>,
+    ttl_ms: f64,
+}
+
+/// Claims, grouped: [`CLAIM_SQL`] over arrays, one element per claim.
+#[derive(Debug)]
+struct Claims;
+
+impl Batch for Claims {
+    type Row = ClaimRow;
+    /// Claimed, the live row, or `None` when it conflicted with a row it could not see
+    /// (committed after its snapshot): read again. A row that does not decode fails
+    /// only its own request.
+    type Outcome = Result<Option<ClaimResult>, LedgerError>;
+    const OPERATION: &'static str = "claim";
+    const SKIP_ABANDONED: bool = true;
+
+    fn scope(row: &ClaimRow) -> &Scope {
+        &row.scope
+    }
+
+    async fn write(pool: &PgPool, rows: &[&ClaimRow]) -> Result<Vec<Self::Outcome>, sqlx::Error> {
+        let answers = sqlx::query(CLAIM_SQL)
+            .bind(column(rows, |r| r.scope.tenant.as_str()))
+            .bind(column(rows, |r| r.scope.endpoint.as_str()))
+            .bind(column(rows, |r| r.scope.key.as_str()))
+            .bind(column(rows, |r| &r.fingerprint[..]))
+            .bind(column(rows, |r| r.attempt))
+            .bind(column(rows, |r| r.lease_ms))
+            .bind(column(rows, |r| r.trace_context.as_deref()))
+            .bind(column(rows, |r| r.ttl_ms))
+            .fetch_all(pool)
+            .await?;
+        Ok(answers.iter().map(claim_outcome).collect())
+    }
+}
+
+fn claim_outcome(row: &PgRow) -> Result<Option<ClaimResult>, LedgerError> {
+    if row
+        .try_get::<bool, _>("claimed")
+        .map_err(LedgerError::new)?
+    {
+        return Ok(Some(ClaimResult::Claimed));
+    }
+    let seen = row
+        .try_get::<Option<Uuid>, _>("attempt")
+        .map_err(LedgerError::new)?;
+    match seen {
+        Some(_) => Ok(Some(ClaimResult::Existing(record(row)?))),
+        None => Ok(None),
+    }
+}
+
+/// One completion as its pipe queues it.
+#[derive(Debug)]
+struct CompleteRow {
+    scope: Scope,
+    attempt: Uuid,
+    status: i32,
+    headers: serde_json::Value,
+    body: Bytes,
+    ttl_ms: f64,
+    omitted: bool,
+}
+
+/// Completions, grouped: [`COMPLETE_SQL`] over arrays, each row fenced by its attempt.
+#[derive(Debug)]
+struct Completions;
+
+impl Batch for Completions {
+    type Row = CompleteRow;
+    type Outcome = Fence;
+    const OPERATION: &'static str = "complete";
+    const SKIP_ABANDONED: bool = false;
+
+    fn scope(row: &CompleteRow) -> &Scope {
+        &row.scope
+    }
+
+    fn bytes(row: &CompleteRow) -> usize {
+        row.body.len()
+    }
+
+    async fn write(pool: &PgPool, rows: &[&CompleteRow]) -> Result<Vec<Fence>, sqlx::Error> {
+        let mut conn = pool.acquire().await?;
+        if rows.iter().map(|r| r.body.len()).sum::<usize>() > CLOSE_AFTER_BYTES {
+            // The connection's write buffer grew to hold these bodies, and sqlx never
+            // shrinks it: a pool of such connections would keep one large body's worth
+            // of memory each, for good. This one is closed after use.
+            conn.close_on_drop();
+        }
+        let held: Vec<i64> = sqlx::query_scalar(COMPLETE_SQL)
+            .bind(column(rows, |r| r.scope.tenant.as_str()))
+            .bind(column(rows, |r| r.scope.endpoint.as_str()))
+            .bind(column(rows, |r| r.scope.key.as_str()))
+            .bind(column(rows, |r| r.attempt))
+            .bind(column(rows, |r| r.status))
+            .bind(column(rows, |r| &r.headers))
+            .bind(column(rows, |r| &r.body[..]))
+            .bind(column(rows, |r| r.ttl_ms))
+            .bind(column(rows, |r| r.omitted))
+            .fetch_all(&mut *conn)
+            .await?;
+        // The statement returns the (1-based) positions of the rows it changed.
+        Ok((1..=rows.len() as i64)
+            .map(|n| fence(u64::from(held.contains(&n))))
+            .collect())
+    }
+}
+
+/// One array parameter: a field of every row.
+fn column<'r, R, T>(rows: &[&'r R], field: impl Fn(&'r R) -> T) -> Vec<T> {
+    rows.iter().map(|row| field(row)).collect()
 }
 
 // The rules, spelled out once. A live row: in progress (never expired, whatever its
@@ -447,25 +601,34 @@ macro_rules! key_columns {
     };
 }
 
-/// Inserts the row, or takes over one that is not live (completed and expired); else
-/// returns the live row.
+/// For each claim of the arrays $1..$8 (tenant, endpoint, key, request hash, attempt,
+/// lease ms, trace context, TTL ms), in order: inserts the row, or takes over one that is
+/// not live (completed and expired); else returns the live row.
 pub const CLAIM_SQL: &str = concat!(
-    // The live row, if any, by a plain read first: a replay (or a retry of a key in
-    // progress) takes no row lock, gets no transaction id and writes no WAL. Only when
-    // no live row is visible does the upsert run: it inserts, takes over an expired
-    // row, or (a row committed concurrently) does nothing and the caller reads again.
-    "WITH seen AS (\
-       SELECT k.* FROM idempotency_keys AS k \
-       WHERE k.tenant_id = $1 AND k.endpoint = $2 AND k.key = $3 AND ",
+    "WITH i AS (\
+       SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::bytea[], $5::uuid[], \
+                            $6::float8[], $7::text[], $8::float8[]) WITH ORDINALITY \
+         AS i(tenant_id, endpoint, key, request_hash, attempt, lease_ms, trace_context, \
+              ttl_ms, n)), ",
+    // The live rows, by a plain read first: a replay (or a retry of a key in progress)
+    // takes no row lock, gets no transaction id and writes no WAL. Only the claims with
+    // no live row visible upsert: each inserts, takes over an expired row, or (a row
+    // committed concurrently) does nothing and its caller reads again. In the order of
+    // the arrays, which is scope order: row locks are taken in one order everywhere.
+    "seen AS (\
+       SELECT i.n, k.* FROM i JOIN idempotency_keys AS k \
+         ON k.tenant_id = i.tenant_id AND k.endpoint = i.endpoint AND k.key = i.key \
+       WHERE ",
     live!(),
     "), claimed AS (\
        INSERT INTO idempotency_keys AS k \
          (tenant_id, endpoint, key, request_hash, status, attempt, locked_until, \
           trace_context, created_at, expires_at) \
-       SELECT $1, $2, $3, $4, 'in_progress', $5, \
-          now() + $6::float8 * interval '1 millisecond', $7, now(), \
-          now() + $8::float8 * interval '1 millisecond' \
-       WHERE NOT EXISTS (SELECT 1 FROM seen) \
+       SELECT i.tenant_id, i.endpoint, i.key, i.request_hash, 'in_progress', i.attempt, \
+          now() + i.lease_ms * interval '1 millisecond', i.trace_context, now(), \
+          now() + i.ttl_ms * interval '1 millisecond' \
+       FROM i WHERE NOT EXISTS (SELECT 1 FROM seen WHERE seen.n = i.n) \
+       ORDER BY i.n \
        ON CONFLICT (tenant_id, endpoint, key) DO UPDATE SET \
           request_hash = EXCLUDED.request_hash, status = 'in_progress', \
           attempt = EXCLUDED.attempt, locked_until = EXCLUDED.locked_until, \
@@ -476,10 +639,10 @@ pub const CLAIM_SQL: &str = concat!(
           completed_at = NULL, expires_at = EXCLUDED.expires_at \
        WHERE NOT ",
     live!(),
-    " RETURNING 1) \
-     SELECT EXISTS (SELECT 1 FROM claimed) AS claimed, ",
+    " RETURNING k.attempt) \
+     SELECT i.attempt IN (SELECT attempt FROM claimed) AS claimed, ",
     record_columns!(),
-    " FROM (SELECT 1) AS one LEFT JOIN seen AS k ON true"
+    " FROM i LEFT JOIN seen AS k ON k.n = i.n ORDER BY i.n"
 );
 
 pub const GET_SQL: &str = concat!(
@@ -490,16 +653,30 @@ pub const GET_SQL: &str = concat!(
     live!()
 );
 
-/// Fenced by the attempt alone (not by status), so that repeating a completion whose
-/// reply was lost finds its own row again instead of reporting a lost fence.
-pub const COMPLETE_SQL: &str = concat!(
-    "UPDATE idempotency_keys AS k SET status = 'completed', \
-       response_status = $5, response_headers = $6, response_body = $7, \
-       response_omitted = $9, completed_at = now(), locked_until = NULL, held_since = NULL, \
-       expires_at = now() + $8::float8 * interval '1 millisecond' \
-     WHERE ",
-    owned_by_attempt!()
-);
+/// For each completion of the arrays $1..$9 (tenant, endpoint, key, attempt, status,
+/// headers, body, TTL ms, body omitted): fenced by its attempt alone (not by status), so
+/// that repeating a completion whose reply was lost finds its own row again instead of
+/// reporting a lost fence. Returns the positions of the rows it changed. The rows are
+/// locked first, in the order of the arrays (scope order), as claims lock them.
+pub const COMPLETE_SQL: &str = "WITH i AS (\
+       SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::uuid[], $5::int4[], \
+                            $6::jsonb[], $7::bytea[], $8::float8[], $9::bool[]) \
+         WITH ORDINALITY AS i(tenant_id, endpoint, key, attempt, status, headers, body, \
+                              ttl_ms, omitted, n)), \
+     mine AS (\
+       SELECT i.* FROM i JOIN idempotency_keys AS k \
+         ON k.tenant_id = i.tenant_id AND k.endpoint = i.endpoint AND k.key = i.key \
+        AND k.attempt = i.attempt \
+       ORDER BY i.n FOR UPDATE OF k) \
+     UPDATE idempotency_keys AS k SET status = 'completed', \
+       response_status = mine.status, response_headers = mine.headers, \
+       response_body = mine.body, response_omitted = mine.omitted, completed_at = now(), \
+       locked_until = NULL, held_since = NULL, \
+       expires_at = now() + mine.ttl_ms * interval '1 millisecond' \
+     FROM mine \
+     WHERE k.tenant_id = mine.tenant_id AND k.endpoint = mine.endpoint \
+       AND k.key = mine.key AND k.attempt = mine.attempt \
+     RETURNING mine.n";
 
 pub const RESOLVE_SQL: &str = concat!(
     "UPDATE idempotency_keys AS k SET status = 'completed', attempt = $5, \

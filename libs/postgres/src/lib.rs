@@ -5,11 +5,14 @@
 //!   gateway (the engine's [`idem_core::Ledger`]), the reconciler and `idemgate keys`
 //!   run on it, each one atomic, bounded and traced, with the row's states and
 //!   transitions tabled at the top.
+//! - [`group`]: group commit, the pipes that let concurrent claims (and completions)
+//!   share one statement and one commit.
 //! - [`headers`]: how response headers are stored, byte for byte.
 //! - [`connect`] and [`migrate`]: the pool and the embedded migrations of `migrations/`.
 #![forbid(unsafe_code)]
 
 mod failpoint;
+pub mod group;
 pub mod headers;
 pub mod ledger;
 

@@ -272,6 +272,7 @@ async fn metrics(State(app): State<Arc<AppState>>) -> Response {
         counter!("idemgate_cache_hits_total").absolute(s.hits);
         counter!("idemgate_cache_misses_total").absolute(s.misses);
         counter!("idemgate_cache_errors_total").absolute(s.errors);
+        counter!("idemgate_cache_timeouts_total").absolute(s.timeouts);
         counter!("idemgate_cache_skipped_total").absolute(s.skipped);
         counter!("idemgate_cache_refused_total").absolute(s.refused);
         gauge!("idemgate_cache_watched_channels").set(s.watched as f64);
@@ -311,7 +312,7 @@ fn describe_metrics() {
     );
     describe_counter!(
         "idemgate_ledger_statements_total",
-        "Statements sent to the Postgres ledger."
+        "Calls to the Postgres ledger (claims and completions may share a statement)."
     );
     describe_counter!(
         "idemgate_ledger_errors_total",
@@ -364,7 +365,20 @@ fn describe_metrics() {
         "Redis calls that failed or timed out."
     );
     describe_counter!(
+        "idemgate_cache_timeouts_total",
+        "Of the failed Redis calls, those not answered within redis.timeout."
+    );
+    describe_counter!(
         "idemgate_cache_skipped_total",
         "Redis calls skipped while the breaker was open."
+    );
+    describe_counter!(
+        "idemgate_ledger_group_statements_total",
+        "Statements that wrote claims or completions (group commit), by operation."
+    );
+    describe_counter!(
+        "idemgate_ledger_group_rows_total",
+        "Claims or completions those statements carried, by operation: rows per \
+         statement is how much group commit shares."
     );
 }
