@@ -124,9 +124,9 @@ impl PgLedger {
         }
     }
 
-    /// Group statements of one kind in flight at a time: a quarter of the pool each for
-    /// claims and completions, so single-row statements (reads, releases, the
-    /// reconciler's) always find connections too.
+    /// Group statements of one kind in flight at most (one at a time unless it is slow):
+    /// a quarter of the pool each for claims and completions, so single-row statements
+    /// (reads, releases, holds) always find connections too.
     fn in_flight(&self) -> usize {
         (self.pool.options().get_max_connections() as usize / 4).max(1)
     }
@@ -448,6 +448,7 @@ impl Batch for Claims {
     type Outcome = Result<Option<ClaimResult>, LedgerError>;
     const OPERATION: &'static str = "claim";
     const SKIP_ABANDONED: bool = true;
+    const ONE_PER_SCOPE: bool = false;
 
     fn scope(row: &ClaimRow) -> &Scope {
         &row.scope
@@ -506,6 +507,7 @@ impl Batch for Completions {
     type Outcome = Fence;
     const OPERATION: &'static str = "complete";
     const SKIP_ABANDONED: bool = false;
+    const ONE_PER_SCOPE: bool = true;
 
     fn scope(row: &CompleteRow) -> &Scope {
         &row.scope
@@ -616,11 +618,16 @@ pub const CLAIM_SQL: &str = concat!(
     // committed concurrently) does nothing and its caller reads again. In the order of
     // the arrays, which is scope order: row locks are taken in one order everywhere.
     "seen AS (\
-       SELECT i.n, k.* FROM i JOIN idempotency_keys AS k \
-         ON k.tenant_id = i.tenant_id AND k.endpoint = i.endpoint AND k.key = i.key \
-       WHERE ",
+       SELECT i.n, k.* FROM i CROSS JOIN LATERAL (\
+         SELECT k.* FROM idempotency_keys AS k \
+         WHERE k.tenant_id = i.tenant_id AND k.endpoint = i.endpoint AND k.key = i.key AND ",
     live!(),
-    "), claimed AS (\
+    // OFFSET 0 keeps the lookup a subquery of its own, run per claim by the key's index,
+    // rather than flattened into a join the planner may answer by scanning live rows.
+    " OFFSET 0) AS k), ",
+    // A key twice in the arrays (a double click, a retry) upserts once, by its first
+    // claim; the later ones read the row again (it may not be visible to this statement).
+    "claimed AS (\
        INSERT INTO idempotency_keys AS k \
          (tenant_id, endpoint, key, request_hash, status, attempt, locked_until, \
           trace_context, created_at, expires_at) \
@@ -628,6 +635,9 @@ pub const CLAIM_SQL: &str = concat!(
           now() + i.lease_ms * interval '1 millisecond', i.trace_context, now(), \
           now() + i.ttl_ms * interval '1 millisecond' \
        FROM i WHERE NOT EXISTS (SELECT 1 FROM seen WHERE seen.n = i.n) \
+         AND NOT EXISTS (SELECT 1 FROM i AS earlier WHERE earlier.n < i.n \
+           AND earlier.tenant_id = i.tenant_id AND earlier.endpoint = i.endpoint \
+           AND earlier.key = i.key) \
        ORDER BY i.n \
        ON CONFLICT (tenant_id, endpoint, key) DO UPDATE SET \
           request_hash = EXCLUDED.request_hash, status = 'in_progress', \
@@ -664,18 +674,17 @@ pub const COMPLETE_SQL: &str = "WITH i AS (\
          WITH ORDINALITY AS i(tenant_id, endpoint, key, attempt, status, headers, body, \
                               ttl_ms, omitted, n)), \
      mine AS (\
-       SELECT i.* FROM i JOIN idempotency_keys AS k \
-         ON k.tenant_id = i.tenant_id AND k.endpoint = i.endpoint AND k.key = i.key \
-        AND k.attempt = i.attempt \
-       ORDER BY i.n FOR UPDATE OF k) \
+       SELECT i.*, k.ctid AS row FROM i CROSS JOIN LATERAL (\
+         SELECT k.ctid FROM idempotency_keys AS k \
+         WHERE k.tenant_id = i.tenant_id AND k.endpoint = i.endpoint AND k.key = i.key \
+           AND k.attempt = i.attempt \
+         FOR UPDATE) AS k) \
      UPDATE idempotency_keys AS k SET status = 'completed', \
        response_status = mine.status, response_headers = mine.headers, \
        response_body = mine.body, response_omitted = mine.omitted, completed_at = now(), \
        locked_until = NULL, held_since = NULL, \
        expires_at = now() + mine.ttl_ms * interval '1 millisecond' \
-     FROM mine \
-     WHERE k.tenant_id = mine.tenant_id AND k.endpoint = mine.endpoint \
-       AND k.key = mine.key AND k.attempt = mine.attempt \
+     FROM mine WHERE k.ctid = mine.row \
      RETURNING mine.n";
 
 pub const RESOLVE_SQL: &str = concat!(

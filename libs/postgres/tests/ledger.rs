@@ -531,10 +531,10 @@ async fn claims_queued_together_share_a_statement_and_each_learns_its_own_outcom
         Ok(ClaimResult::Existing(record)) => assert_eq!(record.attempt, holder),
         other => panic!("a key claimed live before: {other:?}"),
     }
-    // The gate alone, then the four distinct keys in one statement, then the repeat.
+    // The gate alone, then the five in one statement.
     let written = ledger.written().0;
     assert_eq!(written.rows - before.rows, 6, "{written:?}");
-    assert_eq!(written.statements - before.statements, 3, "{written:?}");
+    assert_eq!(written.statements - before.statements, 2, "{written:?}");
     assert_eq!(db.ledger_rows("acme").await, 5); // live, gate, a, twice, b
 }
 
