@@ -684,3 +684,26 @@ async fn completions_queued_together_are_each_fenced_by_their_own_attempt() {
     let stale = ledger.get(&scope("stale")).await.unwrap().unwrap();
     assert!(matches!(stale.state, RecordState::InProgress { .. }));
 }
+
+/// A claim statement stuck on a row lock holds back the next one only briefly: past
+/// [`idem_postgres::group::SLOW`] the next starts beside it (a pool of 16 allows four).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stuck_claim_statement_does_not_stall_the_claims_behind_it() {
+    let db = TestDb::create().await;
+    db.migrate().await;
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(16)
+        .connect(&db.url)
+        .await
+        .unwrap();
+    let ledger = PgLedger::new(pool, Duration::from_secs(5));
+    let gate = Gate::close(&db, &ledger).await;
+    let (_, other) = tokio::time::timeout(
+        Duration::from_secs(2),
+        claim(&ledger, &scope("other"), Duration::from_secs(30)),
+    )
+    .await
+    .expect("a claim of another key waited for the stuck statement");
+    assert!(matches!(other, ClaimResult::Claimed), "{other:?}");
+    gate.open().await;
+}
