@@ -182,7 +182,7 @@ class ChartTest(unittest.TestCase):
             render({"auth": {"mode": "oidc"}})
 
     def test_limits_are_values_with_the_binarys_defaults(self):
-        # The defaults of DESIGN §11 / the README's limits table, as the binary has them.
+        # The defaults of the README's limits table, as the binary has them.
         config = tomllib.loads(by_kind(render({}), "ConfigMap", "idemgate")[0]["data"]["idemgate.toml"])
         self.assertEqual({k: config["server"][k] for k in LIMITS["server"]}, LIMITS["server"])
         self.assertEqual(config["redis"]["local_cache_bytes"], LIMITS["redis"]["local_cache_bytes"])

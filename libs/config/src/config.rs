@@ -1,5 +1,5 @@
 //! Configuration: one TOML file plus `IDEMGATE_<SECTION>__<KEY>` environment overrides
-//! (DESIGN §4), parsed once at start-up into typed values.
+//! (the README's "Configuration"), parsed once at start-up into typed values.
 //!
 //! Every problem is reported as a [`ConfigError`] that names the key at fault, e.g.
 //! `routes[0].timeout: must be shorter than the lease (30s)`.
@@ -90,7 +90,7 @@ struct RawConfig {
     routes: Vec<RawRoute>,
 }
 
-/// `[server]`: the listener and the limits every client is held to (DESIGN §11).
+/// `[server]`: the listener and the limits every client is held to (the README's `server.*` keys).
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct ServerConfig {

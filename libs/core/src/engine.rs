@@ -106,7 +106,7 @@ pub enum Outcome<R> {
 }
 
 impl<R> Outcome<R> {
-    /// The `idempotency.outcome` name of DESIGN §8.
+    /// The `idempotency.outcome` name (the README's "Observability").
     pub fn name(&self) -> &'static str {
         match self {
             Outcome::Executed { .. } => "executed",

@@ -95,7 +95,7 @@ pub fn default_release_statuses() -> StatusSet {
     ])
 }
 
-/// What an upstream answer means for its key (DESIGN §2 steps 7 to 9).
+/// What an upstream answer means for its key (docs/architecture.md, request steps 7 and 8).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Disposition {
     /// Store it; every retry replays it.

@@ -15,7 +15,7 @@
 //! | completed past `expires_at` | absent | [`PURGE_SQL`] | reconciler |
 //!
 //! An in-progress row never expires, whatever its TTL: it leaves that state only by a
-//! completion or a release, never by time (DESIGN §6: held keys never lapse). Completion
+//! completion or a release, never by time (held keys never lapse: docs/architecture.md, "Promises"). Completion
 //! and release are fenced by the attempt token, so a late writer changes nothing; the
 //! reconciler installs a fresh token when it resolves a row, which fences out the
 //! original gateway.

@@ -1,7 +1,7 @@
 //! `idem-redis`: the fast path — an in-progress lock and a response cache on Redis, one
 //! round trip per request.
 //!
-//! Redis never decides that an operation may execute (DESIGN invariant 5): a cached
+//! Redis never decides that an operation may execute (docs/architecture.md, "Promises"): a cached
 //! response is only ever written after Postgres committed it, and a lock taken here is
 //! always followed by the Postgres claim. Redis down, slow, flushed, evicted or restarted
 //! therefore changes nothing a client sees; it only costs the Postgres round trips the

@@ -5,7 +5,7 @@ use chrono::{DateTime, Utc};
 use idem_postgres::KeyInfo;
 use serde_json::json;
 
-/// Where a key stands, in the words of DESIGN §3's `operation_state`.
+/// Where a key stands, in the words of the `operation_state` of 409 problems (the README's "Status codes").
 pub fn state(info: &KeyInfo) -> &'static str {
     match info.status.as_str() {
         "completed" => "completed",

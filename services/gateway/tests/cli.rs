@@ -81,7 +81,7 @@ fn check_config_names_a_bad_duration() {
     assert!(stderr.contains("idempotency.lease"), "{stderr}");
 }
 
-/// DESIGN §6: a completion sent at the upstream deadline must land within the lease.
+/// A completion sent at the upstream deadline must land within the lease.
 #[test]
 fn check_config_refuses_a_timeout_and_ledger_call_that_outlast_the_lease() {
     // 10 s (the route's default timeout) + 2 s + 5 s is not shorter than 15 s.

@@ -1,4 +1,4 @@
-//! `payments-demo`: a small but real upstream for idemgate (DESIGN §9).
+//! `payments-demo`: a small but real upstream for idemgate (docs/architecture.md, "The demo upstream").
 //!
 //! It deliberately does **no** deduplication of its own: every `POST` that reaches it
 //! inserts a row, so counting rows in `demo_payments` counts executions.
