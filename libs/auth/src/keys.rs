@@ -7,7 +7,7 @@ use jsonwebtoken::{Algorithm, DecodingKey};
 
 /// A key source that cannot be used. Names the setting at fault.
 #[derive(Debug, thiserror::Error)]
-pub enum KeyError {
+pub enum KeySourceError {
     #[error(
         "[auth] needs exactly one of hs256_secret, public_key_pem_file, jwks_file, jwks_url, oidc_issuer"
     )]
@@ -20,8 +20,8 @@ pub enum KeyError {
     Invalid { key: &'static str, reason: String },
 }
 
-fn invalid(key: &'static str, reason: impl Into<String>) -> KeyError {
-    KeyError::Invalid {
+fn invalid(key: &'static str, reason: impl Into<String>) -> KeySourceError {
+    KeySourceError::Invalid {
         key,
         reason: reason.into(),
     }
@@ -30,7 +30,7 @@ fn invalid(key: &'static str, reason: impl Into<String>) -> KeyError {
 /// The DER encoding of the P-384 curve's OID (1.3.132.0.34), as found in its SPKI.
 const P384_OID: &[u8] = &[0x06, 0x05, 0x2b, 0x81, 0x04, 0x00, 0x22];
 
-pub fn hs256(secret: &str) -> Result<DecodingKey, KeyError> {
+pub fn hs256(secret: &str) -> Result<DecodingKey, KeySourceError> {
     if secret.len() < 8 {
         return Err(invalid(
             "auth.hs256_secret",
@@ -42,7 +42,7 @@ pub fn hs256(secret: &str) -> Result<DecodingKey, KeyError> {
 }
 
 /// A PEM public key: RSA → RS256, EC P-256 → ES256, EC P-384 → ES384.
-pub fn pem_file(path: &Path) -> Result<(DecodingKey, Algorithm), KeyError> {
+pub fn pem_file(path: &Path) -> Result<(DecodingKey, Algorithm), KeySourceError> {
     const KEY: &str = "auth.public_key_pem_file";
     let bytes = std::fs::read(path)
         .map_err(|e| invalid(KEY, format!("cannot read {}: {e}", path.display())))?;
@@ -87,7 +87,7 @@ pub(crate) struct JwkKey {
 /// Every signing key of a JWKS document, with its `kid` and pinned algorithm. A key
 /// that cannot be used (symmetric, an unsupported type, an `alg` its type contradicts)
 /// makes the file invalid: it is the operator's own file.
-pub fn jwks_file(path: &Path) -> Result<Vec<(String, DecodingKey, Algorithm)>, KeyError> {
+pub fn jwks_file(path: &Path) -> Result<Vec<(String, DecodingKey, Algorithm)>, KeySourceError> {
     const KEY: &str = "auth.jwks_file";
     let bytes = std::fs::read(path)
         .map_err(|e| invalid(KEY, format!("cannot read {}: {e}", path.display())))?;
@@ -100,7 +100,7 @@ pub fn jwks_file(path: &Path) -> Result<Vec<(String, DecodingKey, Algorithm)>, K
 /// The usable keys of a JWKS fetched from an identity provider. A key that cannot be
 /// used is left out (and logged), as a provider's set may hold keys for other
 /// purposes; a symmetric key is never trusted from the network.
-pub(crate) fn fetched_jwks(bytes: &[u8], url: &str) -> Result<Vec<JwkKey>, KeyError> {
+pub(crate) fn fetched_jwks(bytes: &[u8], url: &str) -> Result<Vec<JwkKey>, KeySourceError> {
     jwks(bytes, url, |named, why| {
         tracing::warn!(
             url,
@@ -116,8 +116,8 @@ pub(crate) fn fetched_jwks(bytes: &[u8], url: &str) -> Result<Vec<JwkKey>, KeyEr
 fn jwks(
     bytes: &[u8],
     origin: &str,
-    unusable: impl Fn(&str, String) -> Result<(), KeyError>,
-) -> Result<Vec<JwkKey>, KeyError> {
+    unusable: impl Fn(&str, String) -> Result<(), KeySourceError>,
+) -> Result<Vec<JwkKey>, KeySourceError> {
     let key_name = if origin.starts_with("http") {
         "auth.jwks_url"
     } else {

@@ -30,7 +30,7 @@ use secrecy::{ExposeSecret, SecretString};
 use serde::Deserialize;
 use serde_json::{Map, Value};
 
-pub use keys::KeyError;
+pub use keys::KeySourceError;
 pub use remote::RemoteStats;
 
 /// The longest tenant id accepted.
@@ -181,7 +181,7 @@ impl std::fmt::Debug for Authenticator {
 
 impl Authenticator {
     /// Loads the configured keys. Errors name the offending setting.
-    pub fn from_config(config: &AuthConfig) -> Result<Self, KeyError> {
+    pub fn from_config(config: &AuthConfig) -> Result<Self, KeySourceError> {
         let sources = [
             config.hs256_secret.is_some(),
             config.public_key_pem_file.is_some(),
@@ -191,11 +191,11 @@ impl Authenticator {
         ];
         match sources.iter().filter(|s| **s).count() {
             1 => {}
-            0 => return Err(KeyError::NoSource),
-            _ => return Err(KeyError::SeveralSources),
+            0 => return Err(KeySourceError::NoSource),
+            _ => return Err(KeySourceError::SeveralSources),
         }
         if config.tenant_claim.is_empty() {
-            return Err(KeyError::Invalid {
+            return Err(KeySourceError::Invalid {
                 key: "auth.tenant_claim",
                 reason: "must not be empty".into(),
             });
@@ -204,7 +204,7 @@ impl Authenticator {
         if let Some(oidc) = &config.oidc_issuer {
             match &issuer {
                 Some(other) if other != oidc => {
-                    return Err(KeyError::Invalid {
+                    return Err(KeySourceError::Invalid {
                         key: "auth.issuer",
                         reason: format!(
                             "{other:?} differs from auth.oidc_issuer {oidc:?}; leave it out (discovery sets it)"
@@ -254,10 +254,10 @@ impl Authenticator {
                     remote::check_url("auth.jwks_url", url)?;
                     remote::Source::Jwks { url: url.clone() }
                 }
-                (None, None) => return Err(KeyError::NoSource),
+                (None, None) => return Err(KeySourceError::NoSource),
             };
             if config.jwks_min_refetch.is_zero() || config.jwks_min_refetch > config.jwks_refresh {
-                return Err(KeyError::Invalid {
+                return Err(KeySourceError::Invalid {
                     key: "auth.jwks_min_refetch",
                     reason: "must be more than 0 and at most auth.jwks_refresh".into(),
                 });

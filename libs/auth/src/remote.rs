@@ -21,7 +21,7 @@ use hyper_util::rt::TokioExecutor;
 use serde::Deserialize;
 use tokio::time::Instant;
 
-use crate::keys::{self, KeyError};
+use crate::keys::{self, KeySourceError};
 use crate::{Checks, KeySet};
 
 /// The longest JWKS or discovery document read.
@@ -359,10 +359,10 @@ fn causes(error: &dyn std::error::Error) -> String {
 /// is connectable too; the URL rules (loopback only) are checked before.
 pub(crate) fn https_connector(
     ca_file: Option<&Path>,
-) -> Result<HttpsConnector<HttpConnector>, KeyError> {
+) -> Result<HttpsConnector<HttpConnector>, KeySourceError> {
     use rustls::pki_types::CertificateDer;
     use rustls::pki_types::pem::PemObject;
-    let invalid = |reason: String| KeyError::Invalid {
+    let invalid = |reason: String| KeySourceError::Invalid {
         key: "auth.ca_file",
         reason,
     };
@@ -414,8 +414,8 @@ fn max_age(headers: &HeaderMap) -> Option<Duration> {
 }
 
 /// An identity provider's URL must be `https://`, or `http://` on loopback (development).
-pub(crate) fn check_url(key: &'static str, url: &str) -> Result<(), KeyError> {
-    let invalid = |reason: String| KeyError::Invalid { key, reason };
+pub(crate) fn check_url(key: &'static str, url: &str) -> Result<(), KeySourceError> {
+    let invalid = |reason: String| KeySourceError::Invalid { key, reason };
     let uri: Uri = url
         .parse()
         .map_err(|e| invalid(format!("{url:?} is not a URL: {e}")))?;

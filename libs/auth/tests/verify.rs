@@ -3,7 +3,7 @@
 use std::path::PathBuf;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use idem_auth::{AuthConfig, AuthError, Authenticator, KeyError, Tenant};
+use idem_auth::{AuthConfig, AuthError, Authenticator, KeySourceError, Tenant};
 use jsonwebtoken::{Algorithm, EncodingKey, Header};
 use serde_json::{Value, json};
 
@@ -350,7 +350,7 @@ fn jwks_selects_by_kid_and_refuses_unknown_kids() {
 fn key_sources_are_checked_at_start_up() {
     assert!(matches!(
         Authenticator::from_config(&config()),
-        Err(KeyError::NoSource)
+        Err(KeySourceError::NoSource)
     ));
     let both = AuthConfig {
         jwks_file: Some(fixture("jwks.json")),
@@ -358,7 +358,7 @@ fn key_sources_are_checked_at_start_up() {
     };
     assert!(matches!(
         Authenticator::from_config(&both),
-        Err(KeyError::SeveralSources)
+        Err(KeySourceError::SeveralSources)
     ));
     let missing = AuthConfig {
         public_key_pem_file: Some(fixture("nope.pem")),

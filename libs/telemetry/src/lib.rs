@@ -41,11 +41,6 @@ pub struct Telemetry {
 }
 
 impl Telemetry {
-    /// Whether spans are being exported.
-    pub fn exporting(&self) -> bool {
-        self.provider.is_some()
-    }
-
     /// Flushes and stops the exporter (call before the process exits).
     pub fn shutdown(self) {
         if let Some(provider) = self.provider

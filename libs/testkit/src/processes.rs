@@ -67,7 +67,8 @@ fn newest_mtime(dir: &PathBuf) -> Option<SystemTime> {
 /// A running payments-demo process, killed when dropped.
 pub struct Demo {
     pub addr: SocketAddr,
-    child: Child,
+    /// Held only so that dropping the demo kills it (`kill_on_drop`).
+    _child: Child,
 }
 
 impl Demo {
@@ -81,16 +82,14 @@ impl Demo {
             .spawn()
             .expect("spawn payments-demo");
         let addr = read_listen_line(&mut child, "payments-demo listening on ").await;
-        Self { addr, child }
+        Self {
+            addr,
+            _child: child,
+        }
     }
 
     pub fn url(&self) -> String {
         format!("http://{}", self.addr)
-    }
-
-    /// SIGKILL: the upstream is gone (connections now refused).
-    pub fn kill(&mut self) {
-        let _ = self.child.start_kill();
     }
 }
 

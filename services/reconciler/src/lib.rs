@@ -32,14 +32,14 @@ use idem_postgres::{PgLedger, PoolSettings};
 use idem_upstream::HttpClient;
 use secrecy::ExposeSecret;
 
-use crate::stats::Stats;
+use crate::stats::ActionCounts;
 
 /// One reconciler.
 pub struct Reconciler {
     pub(crate) ledger: PgLedger,
     pub(crate) config: Config,
     pub(crate) client: HttpClient,
-    pub stats: Arc<Stats>,
+    pub stats: Arc<ActionCounts>,
 }
 
 impl Reconciler {
@@ -97,7 +97,7 @@ impl Reconciler {
             u64::try_from(held).unwrap_or(0),
             std::sync::atomic::Ordering::Relaxed,
         );
-        Stats::add(&self.stats.passes, 1);
+        ActionCounts::add(&self.stats.passes, 1);
         Ok(())
     }
 
@@ -111,7 +111,7 @@ impl Reconciler {
                 .purge_batch(i64::from(settings.purge_batch))
                 .await
                 .context("purging expired rows")?;
-            Stats::add(&self.stats.purged, deleted);
+            ActionCounts::add(&self.stats.purged, deleted);
             if deleted < u64::from(settings.purge_batch)
                 || started.elapsed() >= settings.purge_budget
             {
@@ -147,7 +147,7 @@ impl Reconciler {
             .route("/healthz", get(|| async { "ok" }))
             .route(
                 "/metrics",
-                get(|State(stats): State<Arc<Stats>>| async move { stats.prometheus() }),
+                get(|State(stats): State<Arc<ActionCounts>>| async move { stats.prometheus() }),
             )
             .with_state(self.stats.clone());
         let mut http_stop = stop_rx.clone();

@@ -18,7 +18,7 @@ use idem_upstream::headers::{IDEMPOTENCY_KEY, X_TENANT_ID, to_stored};
 use tracing::Instrument;
 
 use crate::Reconciler;
-use crate::stats::Stats;
+use crate::stats::ActionCounts;
 
 impl Reconciler {
     /// Resolves one row in an `idemgate.reconcile` span linked to the first execution.
@@ -43,7 +43,7 @@ impl Reconciler {
                 ?scope,
                 "stuck key of an endpoint no longer configured; held for an operator"
             );
-            Stats::add(&self.stats.held, 1);
+            ActionCounts::add(&self.stats.held, 1);
             self.ledger
                 .defer(&row, settings.max_backoff, Later::Unprobed)
                 .await?;
@@ -100,17 +100,17 @@ impl Reconciler {
             }
             Resolution::ConfirmLater { after } => {
                 tracing::info!(?scope, confirm_in = ?after, "probe said 404; asked again before the key is released");
-                Stats::add(&self.stats.not_found, 1);
+                ActionCounts::add(&self.stats.not_found, 1);
                 self.later(&row, after, Later::NotFound).await?;
             }
             Resolution::Retry { after } => {
                 tracing::warn!(?scope, retry_in = ?after, "probe inconclusive; the key stays held");
-                Stats::add(&self.stats.probe_failed, 1);
+                ActionCounts::add(&self.stats.probe_failed, 1);
                 self.later(&row, after, Later::Inconclusive).await?;
             }
             Resolution::Hold { after } => {
                 tracing::warn!(?scope, created_at = %row.created_at, "outcome unknown and no probe: held for an operator (idemgate keys show|release)");
-                Stats::add(&self.stats.held, 1);
+                ActionCounts::add(&self.stats.held, 1);
                 self.later(&row, after, Later::Unprobed).await?;
             }
             Resolution::Wait { after } => self.later(&row, after, Later::Unprobed).await?,
@@ -203,14 +203,14 @@ impl Reconciler {
                     trace_context = row.trace_context.as_deref(),
                     "{what}"
                 );
-                Stats::add(counter, 1);
+                ActionCounts::add(counter, 1);
             }
             Fence::Lost => {
                 tracing::info!(
                     ?scope,
                     "resolution fenced out: the original attempt finished first; nothing changed"
                 );
-                Stats::add(&self.stats.fenced, 1);
+                ActionCounts::add(&self.stats.fenced, 1);
             }
         }
     }

@@ -5,7 +5,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 /// One counter per action.
 #[derive(Debug, Default)]
-pub struct Stats {
+pub struct ActionCounts {
     /// Rows completed with the upstream's real answer (probe 2xx).
     pub completed: AtomicU64,
     /// Rows released because the upstream never ran them (two probe 404s at least
@@ -28,7 +28,7 @@ pub struct Stats {
     pub held_keys: AtomicU64,
 }
 
-impl Stats {
+impl ActionCounts {
     pub fn add(counter: &AtomicU64, n: u64) {
         counter.fetch_add(n, Ordering::Relaxed);
     }
