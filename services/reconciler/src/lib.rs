@@ -12,7 +12,8 @@
 //!
 //! # Layout
 //! - [`resolve`]: one stuck row.
-//! - [`stats`]: counters for `/metrics` and the pass log line.
+//! - [`stats`]: counters for the pass log line, exported on `/metrics` through the
+//!   same recorder as the gateway's.
 #![forbid(unsafe_code)]
 
 pub mod resolve;
@@ -126,6 +127,7 @@ impl Reconciler {
         self,
         shutdown: impl Future<Output = ()> + Send + 'static,
     ) -> anyhow::Result<()> {
+        idem_telemetry::prometheus(); // record from the first pass on
         let listener = tokio::net::TcpListener::bind(self.config.reconciler.listen)
             .await
             .with_context(|| {

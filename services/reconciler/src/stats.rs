@@ -57,30 +57,35 @@ impl ActionCounts {
         out
     }
 
-    /// Prometheus text.
+    /// The process's metrics as Prometheus text: these counters, copied into the one
+    /// recorder both services export through (`idem_telemetry::prometheus`), with
+    /// whatever else was recorded (the ledger's errors, say).
     pub fn prometheus(&self) -> String {
-        let mut out = String::from(
-            "# HELP idemgate_reconciler_actions_total What the reconciler did with stuck or expired keys.\n\
-             # TYPE idemgate_reconciler_actions_total counter\n",
-        );
-        for (name, value) in self.pairs() {
-            let _ = writeln!(
-                out,
-                "idemgate_reconciler_actions_total{{action=\"{name}\"}} {value}"
-            );
+        use idem_telemetry::metrics::{counter, gauge};
+        let exporter = idem_telemetry::prometheus();
+        describe();
+        for (action, value) in self.pairs() {
+            counter!("idemgate_reconciler_actions_total", "action" => action).absolute(value);
         }
-        let _ = write!(
-            out,
-            "# HELP idemgate_reconciler_passes_total Passes run.\n# TYPE idemgate_reconciler_passes_total counter\n\
-             idemgate_reconciler_passes_total {}\n",
-            self.passes.load(Ordering::Relaxed)
-        );
-        let _ = write!(
-            out,
-            "# HELP idemgate_held_keys Keys in progress whose lease is over, waiting on a probe, a policy or a person.\n\
-             # TYPE idemgate_held_keys gauge\nidemgate_held_keys {}\n",
-            self.held_keys.load(Ordering::Relaxed)
-        );
-        out
+        counter!("idemgate_reconciler_passes_total").absolute(self.passes.load(Ordering::Relaxed));
+        gauge!("idemgate_held_keys").set(self.held_keys.load(Ordering::Relaxed) as f64);
+        exporter.render()
     }
+}
+
+/// The metrics' help texts, once per process.
+fn describe() {
+    use idem_telemetry::metrics::{describe_counter, describe_gauge};
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        describe_counter!(
+            "idemgate_reconciler_actions_total",
+            "What the reconciler did with stuck or expired keys."
+        );
+        describe_counter!("idemgate_reconciler_passes_total", "Passes run.");
+        describe_gauge!(
+            "idemgate_held_keys",
+            "Keys in progress whose lease is over, waiting on a probe, a policy or a person."
+        );
+    });
 }
