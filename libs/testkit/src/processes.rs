@@ -214,10 +214,16 @@ pub fn free_port(with_bus: bool) -> u16 {
         high > low + 1_000,
         "the ephemeral port range starts at {ephemeral_low}: the tests need ports below it"
     );
+    // Never the same port twice in one test process, where tests run at once.
+    static GIVEN: std::sync::Mutex<Vec<u32>> = std::sync::Mutex::new(Vec::new());
     let free = |port: u32| std::net::TcpListener::bind(("127.0.0.1", port as u16)).is_ok();
     loop {
         let port = low + (uuid::Uuid::new_v4().as_u128() % u128::from(high - low)) as u32;
-        if free(port) && (!with_bus || free(port + 10_000)) {
+        let ports = [port, port + 10_000];
+        let ports = if with_bus { &ports[..] } else { &ports[..1] };
+        let mut given = GIVEN.lock().expect("ports given");
+        if ports.iter().all(|p| !given.contains(p) && free(*p)) {
+            given.extend_from_slice(ports);
             return port as u16;
         }
     }
