@@ -1,11 +1,30 @@
-//! The configured routes: path templates, upstreams, and matching a request to a route.
+//! `[[routes]]`: what is proxied where, and under which idempotency policy; and matching
+//! a request to its route. A route's `ttl`, `lease`, `on_in_progress`, `wait_timeout` and
+//! `mismatch_status` override `[idempotency]`.
+//!
+//! | key | default | meaning |
+//! | --- | --- | --- |
+//! | `method`, `path`, `upstream` | (required) | `"POST"`, `"/orders/{id}/refunds"`, `"http://host:port[/prefix]"` |
+//! | `idempotent` | `false` | run requests through the ledger |
+//! | `key_required` | `true` | `false`: key-less requests pass unprotected (gradual roll-out) |
+//! | `timeout` | `10s` | upstream deadline; past it the outcome is unknown (504) |
+//! | `release_on` | `[408, 425, 429]` | upstream statuses that release the key |
+//! | `store_set_cookie` | `false` | store and replay `Set-Cookie` |
+//! | `probe` | (none) | `"GET /payments/by-key/{key}"`: the reconciler's status probe |
+//! | `on_unknown` | `"hold"` | or `"release-after:10m"`: what the reconciler does without a probe |
+//! | `max_response_bytes` | `10485760` | larger responses are not stored; retries get 410 |
 
+use std::sync::Arc;
 use std::time::Duration;
 
-use http::{Method, Uri};
-use idem_core::Policy;
+use http::Method;
+use idem_core::policy::{OnInProgress, Policy, StatusSet};
+use idem_core::reconcile::OnUnknown;
+use serde::Deserialize;
 
-use crate::config::{OnUnknown, Probe};
+use crate::template::PathTemplate;
+use crate::upstream::Upstream;
+use crate::{ConfigError, IdempotencyConfig, idempotency};
 
 /// One configured route.
 #[derive(Debug, Clone)]
@@ -20,28 +39,64 @@ pub struct Route {
     pub timeout: Duration,
     /// Response bodies up to this size are stored; larger ones are recorded without it.
     pub max_response_bytes: usize,
+    /// What the engine decides by.
     pub policy: Policy,
+    /// The status of a key reused with a different request (409 or 422): HTTP, so the
+    /// edge's, not the engine's.
+    pub mismatch_status: u16,
+    /// Whether `Set-Cookie` is stored and replayed.
+    pub store_set_cookie: bool,
     pub probe: Option<Probe>,
     pub on_unknown: OnUnknown,
 }
 
-/// All routes, matched in configuration order.
+/// A status probe: `GET /payments/by-key/{key}`.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(try_from = "String")]
+pub struct Probe {
+    pub method: Method,
+    pub path: String,
+}
+
+/// Why a `routes[].probe` is refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("expected \"METHOD /path/{{key}}\", found {0:?}")]
+pub struct ProbeError(String);
+
+impl TryFrom<String> for Probe {
+    type Error = ProbeError;
+    fn try_from(s: String) -> Result<Self, Self::Error> {
+        let parsed = s.split_once(' ').and_then(|(method, path)| {
+            let method = Method::from_bytes(method.as_bytes()).ok()?;
+            (path.starts_with('/') && path.contains("{key}")).then(|| Probe {
+                method,
+                path: path.to_owned(),
+            })
+        });
+        parsed.ok_or(ProbeError(s))
+    }
+}
+
+/// All routes, matched in configuration order. Each is shared: a request holds its
+/// route for as long as it runs.
 #[derive(Debug, Clone, Default)]
 pub struct RouteTable {
-    routes: Vec<Route>,
+    routes: Vec<Arc<Route>>,
 }
 
 impl RouteTable {
     pub fn new(routes: Vec<Route>) -> Self {
-        Self { routes }
+        Self {
+            routes: routes.into_iter().map(Arc::new).collect(),
+        }
     }
 
-    pub fn routes(&self) -> &[Route] {
+    pub fn routes(&self) -> &[Arc<Route>] {
         &self.routes
     }
 
     /// The route for a method and concrete path, if any.
-    pub fn find(&self, method: &Method, path: &str) -> Option<&Route> {
+    pub fn find(&self, method: &Method, path: &str) -> Option<&Arc<Route>> {
         self.routes
             .iter()
             .find(|r| r.method == *method && r.template.matches(path))
@@ -49,233 +104,115 @@ impl RouteTable {
 
     /// The route whose endpoint is `endpoint` (as stored in the ledger).
     pub fn by_endpoint(&self, endpoint: &str) -> Option<&Route> {
-        self.routes.iter().find(|r| r.endpoint == endpoint)
+        self.routes
+            .iter()
+            .map(AsRef::as_ref)
+            .find(|r| r.endpoint == endpoint)
     }
 }
 
-#[derive(Debug, Clone, PartialEq, Eq)]
-enum Segment {
-    Literal(String),
-    Param,
+/// One `[[routes]]` entry as written.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct RawRoute {
+    method: String,
+    path: PathTemplate,
+    upstream: Upstream,
+    #[serde(default)]
+    idempotent: bool,
+    #[serde(default = "default_timeout", with = "humantime_serde")]
+    timeout: Duration,
+    #[serde(default, with = "humantime_serde")]
+    ttl: Option<Duration>,
+    #[serde(default, with = "humantime_serde")]
+    lease: Option<Duration>,
+    on_in_progress: Option<OnInProgress>,
+    #[serde(default, with = "humantime_serde")]
+    wait_timeout: Option<Duration>,
+    mismatch_status: Option<u16>,
+    #[serde(default = "yes")]
+    key_required: bool,
+    release_on: Option<StatusSet>,
+    #[serde(default)]
+    store_set_cookie: bool,
+    probe: Option<Probe>,
+    #[serde(default)]
+    on_unknown: OnUnknown,
+    #[serde(default = "default_max_response_bytes")]
+    max_response_bytes: usize,
 }
 
-/// A path template: `/payments`, `/orders/{id}/refunds`. A `{name}` matches exactly
-/// one non-empty path segment.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct PathTemplate {
-    source: String,
-    segments: Vec<Segment>,
+fn default_timeout() -> Duration {
+    Duration::from_secs(10)
+}
+fn default_max_response_bytes() -> usize {
+    10 * 1024 * 1024
+}
+fn yes() -> bool {
+    true
 }
 
-impl PathTemplate {
-    pub fn parse(template: &str) -> Result<Self, String> {
-        let rest = template
-            .strip_prefix('/')
-            .ok_or_else(|| format!("must start with '/', found {template:?}"))?;
-        let mut segments = Vec::new();
-        if !rest.is_empty() {
-            for segment in rest.split('/') {
-                segments.push(parse_segment(segment).map_err(|e| format!("{e} in {template:?}"))?);
-            }
-        }
-        Ok(Self {
-            source: template.to_owned(),
-            segments,
-        })
-    }
-
-    pub fn as_str(&self) -> &str {
-        &self.source
-    }
-
-    pub fn matches(&self, path: &str) -> bool {
-        let Some(rest) = path.strip_prefix('/') else {
-            return false;
+impl RawRoute {
+    /// `ledger_op` is the longest one ledger call may take (a pooled connection, then
+    /// the statement): a completion sent at the upstream deadline must land within it.
+    pub(crate) fn validate(
+        self,
+        at: &str,
+        defaults: &IdempotencyConfig,
+        ledger_op: Duration,
+    ) -> Result<Route, ConfigError> {
+        let method = Method::from_bytes(self.method.as_bytes())
+            .ok()
+            .filter(|m| m.as_str().bytes().all(|b| b.is_ascii_uppercase()))
+            .ok_or_else(|| {
+                ConfigError::new(
+                    format!("{at}.method"),
+                    "must be an upper-case HTTP method like \"POST\"",
+                )
+            })?;
+        ConfigError::first_zero([
+            (format!("{at}.timeout").as_str(), self.timeout.is_zero()),
+            (
+                format!("{at}.max_response_bytes").as_str(),
+                self.max_response_bytes == 0,
+            ),
+        ])?;
+        let base = defaults.policy();
+        let policy = Policy {
+            ttl: self.ttl.unwrap_or(base.ttl),
+            lease: self.lease.unwrap_or(base.lease),
+            on_in_progress: self.on_in_progress.unwrap_or(base.on_in_progress),
+            wait_timeout: self.wait_timeout.unwrap_or(base.wait_timeout),
+            release_on: self.release_on.unwrap_or(base.release_on),
+            probe: self.probe.is_some(),
         };
-        if rest.is_empty() {
-            return self.segments.is_empty();
+        let mismatch_status = self.mismatch_status.unwrap_or(defaults.mismatch_status);
+        idempotency::check(at, &policy, mismatch_status)?;
+        if self.idempotent && self.timeout + ledger_op >= policy.lease {
+            return Err(ConfigError::new(
+                format!("{at}.timeout"),
+                format!(
+                    "{} plus the ledger's op timeout (postgres.acquire_timeout + postgres.statement_timeout = {}) must be shorter than the lease ({}), or the reconciler could act while the first attempt is still in flight or still recording its result",
+                    humantime::format_duration(self.timeout),
+                    humantime::format_duration(ledger_op),
+                    humantime::format_duration(policy.lease)
+                ),
+            ));
         }
-        let mut parts = rest.split('/');
-        for segment in &self.segments {
-            match (segment, parts.next()) {
-                (Segment::Literal(lit), Some(part)) if lit == part => {}
-                (Segment::Param, Some(part)) if param_value(part) => {}
-                _ => return false,
-            }
-        }
-        parts.next().is_none()
-    }
-
-    /// Whether two templates match exactly the same paths.
-    pub fn same_shape(&self, other: &Self) -> bool {
-        self.segments == other.segments
-    }
-}
-
-/// Whether a concrete path segment may fill a `{param}`: not empty, not a dot segment
-/// (`.`, `..`, also percent-encoded), and no encoded `/` or `\` (nor a raw `\`). An
-/// upstream that decodes or normalises the path would otherwise see another path than
-/// the one matched (`/orders/..%2Fadmin/refunds`).
-fn param_value(part: &str) -> bool {
-    let lower = part.to_ascii_lowercase();
-    let dots = lower.replace("%2e", ".");
-    !part.is_empty()
-        && dots != "."
-        && dots != ".."
-        && !lower.contains("%2f")
-        && !lower.contains("%5c")
-        && !part.contains('\\')
-}
-
-fn parse_segment(segment: &str) -> Result<Segment, String> {
-    if segment.is_empty() {
-        return Err("empty segment".into());
-    }
-    if let Some(name) = segment.strip_prefix('{').and_then(|s| s.strip_suffix('}')) {
-        if !name.is_empty() && name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_') {
-            return Ok(Segment::Param);
-        }
-        return Err(format!("bad parameter {segment:?}"));
-    }
-    if segment
-        .bytes()
-        .any(|b| matches!(b, b'{' | b'}' | b'?' | b'#') || !b.is_ascii_graphic())
-    {
-        return Err(format!("bad segment {segment:?}"));
-    }
-    Ok(Segment::Literal(segment.to_owned()))
-}
-
-/// Where a route forwards: `http://host:port` with an optional path prefix.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Upstream {
-    authority: String,
-    prefix: String,
-}
-
-impl Upstream {
-    pub fn parse(url: &str) -> Result<Self, String> {
-        let uri: Uri = url
-            .parse()
-            .map_err(|e| format!("{url:?} is not a URL: {e}"))?;
-        match uri.scheme_str() {
-            Some("http") => {}
-            Some(other) => {
-                return Err(format!(
-                    "only http:// upstreams are supported (found {other}://); terminate TLS in front of the upstream"
-                ));
-            }
-            None => {
-                return Err(format!(
-                    "{url:?} needs a scheme, like http://127.0.0.1:9090"
-                ));
-            }
-        }
-        let authority = uri
-            .authority()
-            .ok_or_else(|| format!("{url:?} has no host"))?
-            .to_string();
-        if uri.query().is_some() {
-            return Err(format!("{url:?} must not have a query"));
-        }
-        Ok(Self {
-            authority,
-            prefix: uri.path().trim_end_matches('/').to_owned(),
+        Ok(Route {
+            endpoint: format!("{} {}", method, self.path.as_str()),
+            method,
+            template: self.path,
+            upstream: self.upstream,
+            idempotent: self.idempotent,
+            key_required: self.key_required,
+            timeout: self.timeout,
+            max_response_bytes: self.max_response_bytes,
+            policy,
+            mismatch_status,
+            store_set_cookie: self.store_set_cookie,
+            probe: self.probe,
+            on_unknown: self.on_unknown,
         })
-    }
-
-    /// The upstream URI for a request's path and query.
-    pub fn uri_for(&self, path_and_query: &str) -> Result<Uri, http::Error> {
-        Uri::builder()
-            .scheme("http")
-            .authority(self.authority.as_str())
-            .path_and_query(format!("{}{}", self.prefix, path_and_query))
-            .build()
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn t(s: &str) -> PathTemplate {
-        PathTemplate::parse(s).unwrap()
-    }
-
-    #[test]
-    fn literal_templates_match_exactly() {
-        assert!(t("/payments").matches("/payments"));
-        assert!(!t("/payments").matches("/payments/"));
-        assert!(!t("/payments").matches("/payments/x"));
-        assert!(!t("/payments").matches("/Payments"));
-        assert!(!t("/payments").matches("/"));
-        assert!(t("/").matches("/"));
-    }
-
-    #[test]
-    fn params_match_one_nonempty_segment() {
-        let refunds = t("/orders/{id}/refunds");
-        assert!(refunds.matches("/orders/42/refunds"));
-        assert!(refunds.matches("/orders/a-b.c/refunds"));
-        assert!(!refunds.matches("/orders//refunds"));
-        assert!(!refunds.matches("/orders/1/2/refunds"));
-        assert!(!refunds.matches("/orders/42/refunds/x"));
-    }
-
-    #[test]
-    fn params_never_match_dot_segments_or_encoded_separators() {
-        let refunds = t("/orders/{id}/refunds");
-        for bad in [
-            "/orders/./refunds",
-            "/orders/../refunds",
-            "/orders/%2e%2E/refunds",
-            "/orders/%2E/refunds",
-            "/orders/a%2Fb/refunds",
-            "/orders/a%2fb/refunds",
-            "/orders/a%5Cb/refunds",
-            "/orders/a%5cb/refunds",
-            "/orders/a\\b/refunds",
-        ] {
-            assert!(!refunds.matches(bad), "{bad}");
-        }
-        for good in [
-            "/orders/.x/refunds",
-            "/orders/a..b/refunds",
-            "/orders/a%20b/refunds",
-        ] {
-            assert!(refunds.matches(good), "{good}");
-        }
-    }
-
-    #[test]
-    fn bad_templates_are_refused() {
-        for bad in [
-            "payments", "/a//b", "/{}", "/{a-b}", "/a{b}", "/a?b", "/a b",
-        ] {
-            assert!(PathTemplate::parse(bad).is_err(), "{bad}");
-        }
-    }
-
-    #[test]
-    fn shapes_compare_params_by_position() {
-        assert!(t("/orders/{id}").same_shape(&t("/orders/{order}")));
-        assert!(!t("/orders/{id}").same_shape(&t("/orders/new")));
-    }
-
-    #[test]
-    fn upstreams_are_plain_http_with_an_optional_prefix() {
-        let u = Upstream::parse("http://127.0.0.1:9090").unwrap();
-        assert_eq!(
-            u.uri_for("/payments?x=1").unwrap().to_string(),
-            "http://127.0.0.1:9090/payments?x=1"
-        );
-        let u = Upstream::parse("http://api.internal/v2/").unwrap();
-        assert_eq!(
-            u.uri_for("/payments").unwrap().to_string(),
-            "http://api.internal/v2/payments"
-        );
-        for bad in ["https://x", "127.0.0.1:9090", "http://x/?a=1", "not a url"] {
-            assert!(Upstream::parse(bad).is_err(), "{bad}");
-        }
     }
 }

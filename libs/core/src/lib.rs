@@ -7,7 +7,6 @@
 //! - [`record`]: what the ledger stores per scope, and the attempt's fencing token.
 //! - [`policy`]: per-route TTL, lease, wait, and what an upstream answer means
 //!   ([`policy::Disposition`]: keep, release or uncertain).
-//! - [`headers`]: which response headers are replayed.
 //! - [`ports`]: the [`Ledger`] and [`Cache`] traits that the storage adapters implement.
 //! - [`engine`]: claim → execute → complete/release over those two.
 //! - [`local`]: a bounded in-process cache of completed responses over another cache.
@@ -17,7 +16,6 @@
 pub mod canonical;
 pub mod engine;
 pub mod fingerprint;
-pub mod headers;
 pub mod key;
 pub mod local;
 pub mod policy;

@@ -5,8 +5,20 @@ use std::fmt;
 use std::str::FromStr;
 use std::time::Duration;
 
+use serde::Deserialize;
+
+/// A policy word that is not one of its kind's.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum PolicyParseError {
+    #[error("expected \"reject\" or \"wait\", found {0:?}")]
+    OnInProgress(String),
+    #[error("expected a status code (100-599) or a class like \"5xx\", found {0:?}")]
+    Status(String),
+}
+
 /// What a retry gets while the first attempt is still running.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(try_from = "String")]
 pub enum OnInProgress {
     /// 409 with `Retry-After`.
     Reject,
@@ -15,18 +27,26 @@ pub enum OnInProgress {
 }
 
 impl FromStr for OnInProgress {
-    type Err = String;
+    type Err = PolicyParseError;
     fn from_str(s: &str) -> Result<Self, Self::Err> {
         match s {
             "reject" => Ok(Self::Reject),
             "wait" => Ok(Self::Wait),
-            other => Err(format!("expected \"reject\" or \"wait\", found {other:?}")),
+            other => Err(PolicyParseError::OnInProgress(other.to_owned())),
         }
     }
 }
 
+impl TryFrom<String> for OnInProgress {
+    type Error = PolicyParseError;
+    fn try_from(s: String) -> Result<Self, Self::Error> {
+        s.parse()
+    }
+}
+
 /// A set of HTTP statuses, written as codes (`429`) and classes (`"5xx"`).
-#[derive(Clone, PartialEq, Eq)]
+#[derive(Clone, PartialEq, Eq, Deserialize)]
+#[serde(try_from = "Vec<String>")]
 pub struct StatusSet {
     classes: [bool; 6],
     codes: Vec<u16>,
@@ -39,9 +59,8 @@ impl StatusSet {
     }
 
     /// Parses one entry: a class like `5xx` or a code from 100 to 599.
-    pub fn parse_entry(entry: &str) -> Result<StatusEntry, String> {
-        let bad =
-            || format!("expected a status code (100-599) or a class like \"5xx\", found {entry:?}");
+    pub fn parse_entry(entry: &str) -> Result<StatusEntry, PolicyParseError> {
+        let bad = || PolicyParseError::Status(entry.to_owned());
         match entry.as_bytes() {
             [d @ b'1'..=b'5', b'x' | b'X', b'x' | b'X'] => Ok(StatusEntry::Class(d - b'0')),
             _ => match entry.parse::<u16>() {
@@ -63,6 +82,14 @@ impl StatusSet {
             }
         }
         set
+    }
+}
+
+impl TryFrom<Vec<String>> for StatusSet {
+    type Error = PolicyParseError;
+    fn try_from(entries: Vec<String>) -> Result<Self, Self::Error> {
+        let entries = entries.iter().map(|e| Self::parse_entry(e));
+        Ok(Self::from_entries(entries.collect::<Result<Vec<_>, _>>()?))
     }
 }
 
@@ -118,14 +145,10 @@ pub struct Policy {
     /// The longest a retry waits for the first attempt, under the `wait` policy or a
     /// client's `Prefer: wait=N`.
     pub wait_timeout: Duration,
-    /// 409 (default) or 422 for a key reused with a different payload.
-    pub mismatch_status: u16,
     /// Upstream statuses after which the key is released instead of kept.
     pub release_on: StatusSet,
     /// Whether the route has a status probe the reconciler can ask.
     pub probe: bool,
-    /// Whether `Set-Cookie` is stored and replayed.
-    pub store_set_cookie: bool,
 }
 
 impl Policy {
@@ -164,10 +187,8 @@ mod tests {
             lease: Duration::from_secs(30),
             on_in_progress: OnInProgress::Reject,
             wait_timeout: Duration::from_secs(5),
-            mismatch_status: 409,
             release_on: default_release_statuses(),
             probe: false,
-            store_set_cookie: false,
         }
     }
 

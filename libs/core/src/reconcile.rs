@@ -18,13 +18,49 @@
 
 use std::time::{Duration, SystemTime};
 
-/// What the reconciler does with a stuck key of a route without a status probe.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+use serde::Deserialize;
+
+/// What the reconciler does with a stuck key of a route without a status probe:
+/// written `"hold"` or `"release-after:DURATION"`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(try_from = "String")]
 pub enum OnUnknown {
     /// Keep answering 409 until an operator resolves it (`idemgate keys`).
+    #[default]
     Hold,
     /// Release once the key is this old: the route's upstream is known to give up by then.
     ReleaseAfter(Duration),
+}
+
+/// An `on_unknown` that is neither `"hold"` nor `"release-after:DURATION"`.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum OnUnknownError {
+    #[error("expected \"hold\" or \"release-after:DURATION\", found {0:?}")]
+    Word(String),
+    #[error("bad duration {duration:?}: {source}")]
+    Duration {
+        duration: String,
+        #[source]
+        source: humantime::DurationError,
+    },
+}
+
+impl TryFrom<String> for OnUnknown {
+    type Error = OnUnknownError;
+    fn try_from(s: String) -> Result<Self, Self::Error> {
+        if s == "hold" {
+            return Ok(Self::Hold);
+        }
+        let d = s
+            .strip_prefix("release-after:")
+            .ok_or(OnUnknownError::Word(s.clone()))?;
+        humantime::parse_duration(d.trim())
+            .map(Self::ReleaseAfter)
+            .map_err(|source| OnUnknownError::Duration {
+                duration: d.to_owned(),
+                source,
+            })
+    }
 }
 
 /// The rules one route's stuck keys are resolved by.

@@ -126,10 +126,8 @@ fn policy() -> Policy {
         lease: Duration::from_secs(30),
         on_in_progress: OnInProgress::Reject,
         wait_timeout: Duration::from_secs(2),
-        mismatch_status: 409,
         release_on: default_release_statuses(),
         probe: false,
-        store_set_cookie: false,
     }
 }
 

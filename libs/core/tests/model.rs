@@ -366,10 +366,8 @@ fn policy() -> Policy {
         lease: LEASE,
         on_in_progress: OnInProgress::Reject,
         wait_timeout: Duration::from_secs(5),
-        mismatch_status: 409,
         release_on: default_release_statuses(),
         probe: true,
-        store_set_cookie: false,
     }
 }
 

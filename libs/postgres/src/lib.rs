@@ -39,6 +39,19 @@ pub struct PoolSettings {
     pub application_name: String,
 }
 
+/// The gateway's pool, as `[postgres]` sets it; other processes change what differs
+/// (`PoolSettings { application_name: …, ..(&config.postgres).into() }`).
+impl From<&idem_config::PostgresConfig> for PoolSettings {
+    fn from(postgres: &idem_config::PostgresConfig) -> Self {
+        Self {
+            max_connections: postgres.max_connections,
+            acquire_timeout: postgres.acquire_timeout,
+            statement_timeout: postgres.statement_timeout,
+            application_name: "idemgate".into(),
+        }
+    }
+}
+
 /// Opens a pool. Fails if the database cannot be reached.
 pub async fn connect(url: &str, settings: &PoolSettings) -> Result<PgPool, sqlx::Error> {
     let options = PgConnectOptions::from_str(url)?

@@ -4,8 +4,8 @@
 //! hot path then shares one multiplexed connection, so a request costs exactly its own
 //! round trip (a pooled checkout would add a recycle `PING` to every request). On any
 //! error or timeout the breaker opens: the connection is dropped, requests go to
-//! Postgres alone without waiting on Redis, and a background task probes Redis every
-//! `probe_interval` until it answers, then closes the breaker.
+//! Postgres alone without waiting on Redis, and a background task tries to reconnect
+//! every `reconnect_interval` until Redis answers, then closes the breaker.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
@@ -16,6 +16,18 @@ use redis::aio::{ConnectionLike, MultiplexedConnection};
 use redis::cluster_async::ClusterConnection;
 use redis::{Cmd, Pipeline, RedisFuture, Value};
 use tracing::Instrument;
+
+use crate::StartError;
+
+/// Why a connection could not be made (or did not answer its `PING`).
+#[derive(Debug, thiserror::Error)]
+enum ConnectError {
+    /// The single and the cluster pool fail with the same type.
+    #[error("no connection from the pool: {0}")]
+    Pool(#[from] deadpool_redis::PoolError),
+    #[error("PING failed: {0}")]
+    Ping(#[from] redis::RedisError),
+}
 
 /// One node or a cluster.
 #[derive(Clone)]
@@ -59,33 +71,30 @@ pub enum Pools {
 }
 
 impl Pools {
-    pub fn single(url: &str) -> Result<Self, String> {
+    pub fn single(url: &str) -> Result<Self, StartError> {
         deadpool_redis::Config::from_url(url)
             .create_pool(Some(Runtime::Tokio1))
             .map(Pools::Single)
-            .map_err(|e| e.to_string())
+            .map_err(|e| StartError::Pool(e.into()))
     }
 
-    pub fn cluster(urls: Vec<String>) -> Result<Self, String> {
+    pub fn cluster(urls: Vec<String>) -> Result<Self, StartError> {
         deadpool_redis::cluster::Config::from_urls(urls)
             .create_pool(Some(Runtime::Tokio1))
             .map(Pools::Cluster)
-            .map_err(|e| e.to_string())
+            .map_err(|e| StartError::Pool(e.into()))
     }
 
-    async fn connect(&self) -> Result<Conn, String> {
+    async fn connect(&self) -> Result<Conn, ConnectError> {
         let mut conn = match self {
-            Pools::Single(pool) => Conn::Single(deadpool_redis::Connection::take(
-                pool.get().await.map_err(|e| e.to_string())?,
-            )),
-            Pools::Cluster(pool) => Conn::Cluster(deadpool_redis::cluster::Connection::take(
-                pool.get().await.map_err(|e| e.to_string())?,
-            )),
+            Pools::Single(pool) => {
+                Conn::Single(deadpool_redis::Connection::take(pool.get().await?))
+            }
+            Pools::Cluster(pool) => {
+                Conn::Cluster(deadpool_redis::cluster::Connection::take(pool.get().await?))
+            }
         };
-        redis::cmd("PING")
-            .query_async::<String>(&mut conn)
-            .await
-            .map_err(|e| e.to_string())?;
+        redis::cmd("PING").query_async::<String>(&mut conn).await?;
         Ok(conn)
     }
 }
@@ -111,25 +120,25 @@ pub struct Breaker {
     reconnecting: AtomicBool,
     op_timeout: Duration,
     connect_timeout: Duration,
-    probe_interval: Duration,
+    reconnect_interval: Duration,
     pub stats: Stats,
 }
 
 impl Breaker {
-    pub fn new(pools: Pools, op_timeout: Duration, probe_interval: Duration) -> Arc<Self> {
+    pub fn new(pools: Pools, op_timeout: Duration, reconnect_interval: Duration) -> Arc<Self> {
         Arc::new(Self {
             pools,
             conn: RwLock::new(None),
             reconnecting: AtomicBool::new(false),
             op_timeout,
             connect_timeout: (op_timeout * 10).max(Duration::from_millis(500)),
-            probe_interval,
+            reconnect_interval,
             stats: Stats::default(),
         })
     }
 
     /// Tries to connect now; if Redis is not there, starts with the breaker open and
-    /// keeps probing in the background.
+    /// keeps trying in the background.
     pub async fn start(self: &Arc<Self>) {
         match tokio::time::timeout(self.connect_timeout, self.pools.connect()).await {
             Ok(Ok(conn)) => *self.conn.write().expect("breaker lock") = Some(conn),
@@ -206,7 +215,7 @@ impl Breaker {
         let this = Arc::clone(self);
         tokio::spawn(async move {
             loop {
-                tokio::time::sleep(this.probe_interval).await;
+                tokio::time::sleep(this.reconnect_interval).await;
                 if let Ok(Ok(conn)) =
                     tokio::time::timeout(this.connect_timeout, this.pools.connect()).await
                 {

@@ -41,8 +41,39 @@ pub struct RedisSettings {
     pub prefix: String,
     /// Upper bound on one Redis call; past it the breaker opens.
     pub timeout: Duration,
-    /// How often an open breaker probes Redis.
-    pub probe_interval: Duration,
+    /// How often an open breaker tries to reconnect (`redis.probe_interval`).
+    pub reconnect_interval: Duration,
+}
+
+impl From<&idem_config::RedisConfig> for RedisSettings {
+    fn from(redis: &idem_config::RedisConfig) -> Self {
+        use secrecy::ExposeSecret;
+        let (urls, cluster) = match (&redis.url, &redis.cluster_urls) {
+            (Some(url), _) => (vec![url.expose_secret().to_owned()], false),
+            (None, Some(urls)) => (
+                urls.iter().map(|u| u.expose_secret().to_owned()).collect(),
+                true,
+            ),
+            (None, None) => (Vec::new(), false),
+        };
+        Self {
+            urls,
+            cluster,
+            prefix: redis.prefix.clone(),
+            timeout: redis.timeout,
+            reconnect_interval: redis.probe_interval,
+        }
+    }
+}
+
+/// Why the cache could not be set up (a Redis that does not answer is not one of
+/// these: the breaker starts open).
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    #[error("no Redis URL")]
+    NoUrl,
+    #[error("bad Redis configuration: {0}")]
+    Pool(#[source] Box<dyn std::error::Error + Send + Sync>),
 }
 
 /// A point-in-time view of the fast path, for `/readyz` and metrics.
@@ -80,14 +111,14 @@ impl std::fmt::Debug for RedisCache {
 impl RedisCache {
     /// Builds the cache and tries to connect. A Redis that is down does not fail this:
     /// the breaker starts open and the gateway serves from Postgres until Redis answers.
-    pub async fn start(settings: &RedisSettings) -> Result<Self, String> {
-        let first = settings.urls.first().ok_or("no Redis URL")?.clone();
+    pub async fn start(settings: &RedisSettings) -> Result<Self, StartError> {
+        let first = settings.urls.first().ok_or(StartError::NoUrl)?.clone();
         let pools = if settings.cluster {
             Pools::cluster(settings.urls.clone())?
         } else {
             Pools::single(&first)?
         };
-        let breaker = Breaker::new(pools, settings.timeout, settings.probe_interval);
+        let breaker = Breaker::new(pools, settings.timeout, settings.reconnect_interval);
         breaker.start().await;
         Ok(Self {
             breaker,

@@ -67,10 +67,31 @@ impl ResponseBody {
 #[derive(Debug)]
 pub enum Forwarded {
     Answered(UpstreamResponse),
-    /// The connection could not be made: the upstream never saw the request.
-    NotSent(String),
+    /// The upstream never saw the request.
+    NotSent(NotSent),
     /// Sent, but no complete answer within the deadline (or the connection broke).
-    Unknown(String),
+    Unknown(Unknown),
+}
+
+/// Why a request never reached the upstream (so its key may be released). Each message
+/// carries its whole cause chain, as it goes to the log.
+#[derive(Debug, thiserror::Error)]
+pub enum NotSent {
+    #[error("cannot build the upstream URI: {}", chain(.0))]
+    Uri(#[source] http::Error),
+    #[error("{}", chain(.0))]
+    Connect(#[source] hyper_util::client::legacy::Error),
+}
+
+/// Why a request that may have reached the upstream has no complete answer.
+#[derive(Debug, thiserror::Error)]
+pub enum Unknown {
+    #[error("{}", chain(.0))]
+    Request(#[source] hyper_util::client::legacy::Error),
+    #[error("response body broke off: {}", chain(.0))]
+    Body(#[source] hyper::Error),
+    #[error("no complete answer within {0:?}")]
+    Timeout(Duration),
 }
 
 /// Sends `request` and reads the answer, all within `timeout`, in a client span whose
@@ -108,8 +129,8 @@ async fn exchange(
     let exchange = async {
         let response = match client.request(request).await {
             Ok(response) => response,
-            Err(e) if e.is_connect() => return Forwarded::NotSent(error_chain(&e)),
-            Err(e) => return Forwarded::Unknown(error_chain(&e)),
+            Err(e) if e.is_connect() => return Forwarded::NotSent(NotSent::Connect(e)),
+            Err(e) => return Forwarded::Unknown(Unknown::Request(e)),
         };
         let (parts, body) = response.into_parts();
         match read_capped(body, &parts.headers, max_body, timeout).await {
@@ -118,12 +139,12 @@ async fn exchange(
                 headers: parts.headers,
                 body,
             }),
-            Err(e) => Forwarded::Unknown(format!("response body broke off: {}", error_chain(&e))),
+            Err(e) => Forwarded::Unknown(Unknown::Body(e)),
         }
     };
     match tokio::time::timeout(timeout, exchange).await {
         Ok(forwarded) => forwarded,
-        Err(_) => Forwarded::Unknown(format!("no complete answer within {timeout:?}")),
+        Err(_) => Forwarded::Unknown(Unknown::Timeout(timeout)),
     }
 }
 
@@ -235,7 +256,8 @@ impl Body for Streaming {
     }
 }
 
-fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
+/// `e` and its sources, `: `-separated.
+fn chain(e: &(dyn std::error::Error + 'static)) -> String {
     let mut message = e.to_string();
     let mut source = e.source();
     while let Some(s) = source {

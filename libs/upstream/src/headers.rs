@@ -1,15 +1,50 @@
-//! Header handling at the proxy boundary: hop-by-hop stripping both ways, the headers
-//! idemgate sets upstream, and the conversion to and from stored responses.
+//! Every header rule idemgate has, in one place: the names it reads and sets,
+//! hop-by-hop stripping both ways, what is forwarded upstream, and which response
+//! headers are stored and replayed. (The ledger and the cache only encode what this
+//! module decided to store: `idem_postgres::headers`, `idem_redis::codec`.)
 
 use bytes::Bytes;
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
-use idem_core::{IdempotencyKey, StoredResponse, headers as core_headers};
+use idem_core::{IdempotencyKey, StoredResponse};
 
 pub const IDEMPOTENCY_KEY: HeaderName = HeaderName::from_static("idempotency-key");
 pub const X_TENANT_ID: HeaderName = HeaderName::from_static("x-tenant-id");
 pub const IDEMPOTENT_REPLAYED: HeaderName = HeaderName::from_static("idempotent-replayed");
 pub const PREFERENCE_APPLIED: HeaderName = HeaderName::from_static("preference-applied");
 pub const TRACEPARENT: HeaderName = HeaderName::from_static("traceparent");
+/// RFC 7240: a client's `wait=N`.
+pub const PREFER: HeaderName = HeaderName::from_static("prefer");
+
+/// Hop-by-hop headers (RFC 9110 §7.6.1, plus the de-facto `keep-alive` and
+/// `proxy-connection`): they describe one connection and never cross a proxy.
+pub const HOP_BY_HOP: [&str; 9] = [
+    "connection",
+    "keep-alive",
+    "proxy-connection",
+    "proxy-authenticate",
+    "proxy-authorization",
+    "te",
+    "trailer",
+    "transfer-encoding",
+    "upgrade",
+];
+
+/// Whether `name` (lowercase) is hop-by-hop.
+pub fn is_hop_by_hop(name: &str) -> bool {
+    HOP_BY_HOP.contains(&name)
+}
+
+/// Whether a response header (lowercase name, already known not to be hop-by-hop or
+/// named in `Connection`) is kept for replays. `Date` is made fresh for each replay and
+/// `Content-Length` recomputed; `Set-Cookie` is kept only where the route opts in, so
+/// that one client's session never reaches another's retry by accident.
+pub fn is_replayable(name: &str, store_set_cookie: bool) -> bool {
+    match name {
+        "date" | "content-length" => false,
+        "set-cookie" => store_set_cookie,
+        _ => !is_hop_by_hop(name),
+    }
+}
 
 /// The headers named in `Connection` (hop-by-hop for this one connection).
 fn connection_named(headers: &HeaderMap) -> Vec<HeaderName> {
@@ -27,7 +62,7 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
     for name in connection_named(headers) {
         headers.remove(name);
     }
-    for name in core_headers::HOP_BY_HOP {
+    for name in HOP_BY_HOP {
         headers.remove(name);
     }
 }
@@ -106,7 +141,7 @@ pub fn to_stored(
     let headers = headers
         .iter()
         .filter(|(name, _)| !per_connection.contains(name))
-        .filter(|(name, _)| core_headers::is_replayable(name.as_str(), store_set_cookie))
+        .filter(|(name, _)| is_replayable(name.as_str(), store_set_cookie))
         .map(|(name, value)| (name.as_str().to_owned(), value.as_bytes().to_vec()))
         .collect();
     match body {
@@ -239,5 +274,23 @@ mod tests {
         );
         let traced = upstream_request_headers(&client, "acme", None, Some("00-1-2-01"));
         assert_eq!(traced["traceparent"], "00-1-2-01");
+    }
+
+    #[test]
+    fn hop_by_hop_headers_are_never_replayed() {
+        for name in HOP_BY_HOP {
+            assert!(is_hop_by_hop(name));
+            assert!(!is_replayable(name, true), "{name}");
+        }
+    }
+
+    #[test]
+    fn date_length_and_cookies() {
+        assert!(!is_replayable("date", false));
+        assert!(!is_replayable("content-length", false));
+        assert!(!is_replayable("set-cookie", false));
+        assert!(is_replayable("set-cookie", true));
+        assert!(is_replayable("content-type", false));
+        assert!(is_replayable("location", false));
     }
 }

@@ -3,10 +3,13 @@
 //! # Layout
 //! - [`client`]: one pooled HTTP/1.1 client, and [`client::Forwarded`]: answered,
 //!   provably not sent, or unknown.
-//! - [`headers`]: hop-by-hop stripping both ways, the headers set upstream, stored headers.
+//! - [`headers`]: every header rule — names, hop-by-hop stripping both ways, what goes
+//!   upstream, what is stored and replayed.
 #![forbid(unsafe_code)]
 
 pub mod client;
 pub mod headers;
 
-pub use client::{Forwarded, HttpClient, ResponseBody, UpstreamResponse, forward, pooled_client};
+pub use client::{
+    Forwarded, HttpClient, NotSent, ResponseBody, Unknown, UpstreamResponse, forward, pooled_client,
+};

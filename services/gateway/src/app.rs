@@ -10,6 +10,7 @@ use std::time::Duration;
 use anyhow::Context;
 use axum::Router;
 use axum::extract::State;
+use axum::handler::Handler;
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use http::StatusCode;
@@ -24,7 +25,7 @@ use tokio::net::TcpListener;
 use tokio_util::task::TaskTracker;
 
 use crate::limits::{self, RequestLimits};
-use crate::{handler, server};
+use crate::{handler, observe, server};
 use idem_config::Config;
 use idem_config::RouteTable;
 use idem_upstream::{self as upstream, HttpClient};
@@ -80,10 +81,12 @@ impl Application {
         let key_refresh = auth.start().map(tokio_util::task::AbortOnDropHandle::new);
         idem_telemetry::prometheus(); // record from the first request on
         describe_metrics();
-        let pool =
-            idem_postgres::connect(config.postgres.url.expose_secret(), &pool_settings(&config))
-                .await
-                .context("connecting to postgres.url")?;
+        let pool = idem_postgres::connect(
+            config.postgres.url.expose_secret(),
+            &PoolSettings::from(&config.postgres),
+        )
+        .await
+        .context("connecting to postgres.url")?;
         if options.migrate {
             idem_postgres::migrate(&pool)
                 .await
@@ -91,9 +94,9 @@ impl Application {
         }
         let cache = match &config.redis {
             Some(redis) => MaybeCache::Some(Local::new(
-                RedisCache::start(&redis_settings(redis))
+                RedisCache::start(&RedisSettings::from(redis))
                     .await
-                    .map_err(|e| anyhow::anyhow!("redis: {e}"))?,
+                    .context("redis")?,
                 Bounds {
                     entries: redis.local_cache_entries,
                     bytes: redis.local_cache_bytes,
@@ -104,7 +107,7 @@ impl Application {
         let listener = TcpListener::bind(config.server.listen)
             .await
             .with_context(|| format!("binding server.listen = {}", config.server.listen))?;
-        let op_timeout = config.postgres.statement_timeout + config.postgres.acquire_timeout;
+        let op_timeout = config.postgres.op_timeout();
         let server = &config.server;
         // Large-body fingerprints run on at most all cores but one, so however many
         // arrive at once, the request threads keep a core for everyone else's I/O.
@@ -186,39 +189,14 @@ impl Application {
     }
 }
 
-fn redis_settings(redis: &idem_config::config::RedisConfig) -> RedisSettings {
-    let (urls, cluster) = match (&redis.url, &redis.cluster_urls) {
-        (Some(url), _) => (vec![url.expose_secret().to_owned()], false),
-        (None, Some(urls)) => (
-            urls.iter().map(|u| u.expose_secret().to_owned()).collect(),
-            true,
-        ),
-        (None, None) => (Vec::new(), false),
-    };
-    RedisSettings {
-        urls,
-        cluster,
-        prefix: redis.prefix.clone(),
-        timeout: redis.timeout,
-        probe_interval: redis.probe_interval,
-    }
-}
-
-fn pool_settings(config: &Config) -> PoolSettings {
-    PoolSettings {
-        max_connections: config.postgres.max_connections,
-        acquire_timeout: config.postgres.acquire_timeout,
-        statement_timeout: config.postgres.statement_timeout,
-        application_name: "idemgate".into(),
-    }
-}
-
 pub fn router(state: Arc<AppState>) -> Router {
     Router::new()
         .route("/healthz", get(|| async { "ok" }))
         .route("/readyz", get(readyz))
         .route("/metrics", get(metrics))
-        .fallback(handler::handle)
+        // Limits first (their refusals are counted, not traced), then the span, the
+        // metrics and the log line around the request itself.
+        .fallback(handler::handle.layer(axum::middleware::from_fn(observe::observe)))
         .layer(axum::middleware::from_fn_with_state(
             state.clone(),
             limits::enforce,

@@ -1,16 +1,89 @@
-//! Reading a request: the bearer token, the key, the body (within its limit), and the
-//! client's preferences. Every failure is a [`Problem`] and nothing is claimed.
+//! Reading a request: the extractors [`Tenant`], [`Matched`] and [`Key`] (run by axum
+//! in that order, before the handler), the body within its limit, and the client's
+//! preferences. Every failure is a [`Problem`] and nothing is claimed.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use axum::body::Body;
+use axum::extract::FromRequestParts;
 use bytes::Bytes;
 use http::header::{self, HeaderMap};
+use http::request::Parts;
 use http_body_util::{BodyExt, Limited};
-use idem_core::IdempotencyKey;
-use idem_upstream::headers::IDEMPOTENCY_KEY;
+use idem_config::Route;
+use idem_core::{IdempotencyKey, KeyError};
+use idem_upstream::headers::{IDEMPOTENCY_KEY, PREFER};
+use tracing::Span;
 
+use crate::app::AppState;
 use crate::problem::Problem;
+
+/// The tenant the bearer token proves (401 without one).
+#[derive(Debug, Clone)]
+pub struct Tenant(pub String);
+
+impl FromRequestParts<Arc<AppState>> for Tenant {
+    type Rejection = Problem;
+
+    async fn from_request_parts(parts: &mut Parts, app: &Arc<AppState>) -> Result<Self, Problem> {
+        let token = bearer(&parts.headers).map_err(Problem::Unauthorized)?;
+        let tenant = app
+            .auth
+            .verify_fetching(token)
+            .await
+            .map_err(Problem::Unauthorized)?;
+        Span::current().record("tenant.id", tenant.0.as_str());
+        Ok(Self(tenant.0))
+    }
+}
+
+/// The route configured for the request's method and path (404 without one). Kept
+/// in the request's extensions once matched, so [`Key`] reads the same one.
+#[derive(Debug, Clone)]
+pub struct Matched(pub Arc<Route>);
+
+impl FromRequestParts<Arc<AppState>> for Matched {
+    type Rejection = Problem;
+
+    async fn from_request_parts(parts: &mut Parts, app: &Arc<AppState>) -> Result<Self, Problem> {
+        if let Some(matched) = parts.extensions.get::<Self>() {
+            return Ok(matched.clone());
+        }
+        let route = app
+            .routes
+            .find(&parts.method, parts.uri.path())
+            .ok_or(Problem::RouteNotFound)?;
+        Span::current().record("idempotency.endpoint", route.endpoint.as_str());
+        let matched = Self(route.clone());
+        parts.extensions.insert(matched.clone());
+        Ok(matched)
+    }
+}
+
+/// The request's idempotency key: `None` on a route that is not idempotent, or on one
+/// whose keys are optional (`key_required = false`) when none was sent; 400 otherwise.
+#[derive(Debug, Clone)]
+pub struct Key(pub Option<IdempotencyKey>);
+
+impl FromRequestParts<Arc<AppState>> for Key {
+    type Rejection = Problem;
+
+    async fn from_request_parts(parts: &mut Parts, app: &Arc<AppState>) -> Result<Self, Problem> {
+        let Matched(route) = Matched::from_request_parts(parts, app).await?;
+        if !route.idempotent {
+            return Ok(Self(None));
+        }
+        match idempotency_key(&parts.headers).map_err(Problem::KeyInvalid)? {
+            Some(key) => {
+                Span::current().record("idempotency.key", key.as_str());
+                Ok(Self(Some(key)))
+            }
+            None if !route.key_required => Ok(Self(None)),
+            None => Err(Problem::KeyMissing),
+        }
+    }
+}
 
 pub fn bearer(headers: &HeaderMap) -> Result<&str, idem_auth::AuthError> {
     use idem_auth::AuthError;
@@ -29,17 +102,24 @@ pub fn bearer(headers: &HeaderMap) -> Result<&str, idem_auth::AuthError> {
     }
 }
 
-pub fn idempotency_key(headers: &HeaderMap) -> Result<Option<IdempotencyKey>, String> {
+/// Why an `Idempotency-Key` header was refused. The message is safe to show the client.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum KeyHeaderError {
+    #[error("send exactly one Idempotency-Key header")]
+    Repeated,
+    #[error(transparent)]
+    Invalid(#[from] KeyError),
+}
+
+pub fn idempotency_key(headers: &HeaderMap) -> Result<Option<IdempotencyKey>, KeyHeaderError> {
     let mut values = headers.get_all(IDEMPOTENCY_KEY).iter();
     let Some(value) = values.next() else {
         return Ok(None);
     };
     if values.next().is_some() {
-        return Err("send exactly one Idempotency-Key header".into());
+        return Err(KeyHeaderError::Repeated);
     }
-    IdempotencyKey::parse(value.as_bytes())
-        .map(Some)
-        .map_err(|e| e.to_string())
+    Ok(Some(IdempotencyKey::parse(value.as_bytes())?))
 }
 
 /// `Content-Type: application/json` or any `+json` type.
@@ -62,7 +142,7 @@ pub fn is_json(headers: &HeaderMap) -> bool {
 /// `Prefer: wait=N` (RFC 7240), in seconds.
 pub fn preferred_wait(headers: &HeaderMap) -> Option<Duration> {
     headers
-        .get_all("prefer")
+        .get_all(PREFER)
         .iter()
         .filter_map(|v| v.to_str().ok())
         .flat_map(|v| v.split(','))

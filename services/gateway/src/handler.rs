@@ -1,124 +1,66 @@
-//! One request: authenticate, match the route, validate, then either proxy plainly or
-//! run the request through the idempotency engine — all inside the `idemgate.request`
-//! span, which continues the client's trace and links retries to the first execution.
+//! One request, top to bottom: extract (tenant, route, key — axum's extractors —
+//! then body, fingerprint and preferences) → the engine (or a plain proxy on a route
+//! that is not idempotent) → the response. It runs inside the `idemgate.request` span
+//! of [`crate::observe`], which also counts it and logs it.
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use axum::body::Body;
-use axum::extract::State;
+use axum::extract::{Request, State};
 use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
-use http::Request;
 use http::request::Parts;
 use http_body_util::Full;
 use idem_config::Route;
 use idem_core::{Attempt, BodyKind, Execution, Fingerprint, IdempotencyKey, Outcome, Scope};
-use idem_telemetry::metrics::{counter, gauge, histogram};
+use idem_telemetry::metrics::{gauge, histogram};
 use idem_telemetry::propagation;
 use idem_upstream::headers::{self as h};
 use idem_upstream::{self as upstream, Forwarded};
 use tokio::time::Instant;
-use tracing::field::Empty;
 use tracing::{Instrument, Span};
 
 use crate::app::AppState;
-use crate::extract::{bearer, idempotency_key, is_json, preferred_wait, read_body};
+use crate::extract::{Key, Matched, Tenant, is_json, preferred_wait, read_body};
+use crate::observe::{self, Endpoint};
 use crate::problem::Problem;
 use crate::respond::{passthrough, respond};
 
-/// What a request came to, for the log line and the metrics.
-struct Handled {
-    response: Response,
-    /// `executed`, `replayed`, … or, for requests turned away before the engine, the
-    /// problem's slug; `proxied` for plain routes.
-    outcome: &'static str,
-    endpoint: Option<String>,
+/// Tenant, route and key are extracted before this runs; a rejection is the
+/// [`Problem`]'s response. Every answer from here on names the route's endpoint.
+pub async fn handle(
+    State(app): State<Arc<AppState>>,
+    Tenant(tenant): Tenant,
+    Matched(route): Matched,
+    key: Result<Key, Problem>,
+    request: Request,
+) -> Response {
+    let endpoint = Endpoint(route.endpoint.clone());
+    let mut response = serve(app, tenant, route, key, request)
+        .await
+        .into_response();
+    response.extensions_mut().insert(endpoint);
+    response
 }
 
-impl From<(Problem, Option<&Route>)> for Handled {
-    fn from((problem, route): (Problem, Option<&Route>)) -> Self {
-        Self {
-            outcome: problem.slug(),
-            response: problem.into_response(),
-            endpoint: route.map(|r| r.endpoint.clone()),
-        }
-    }
-}
-
-pub async fn handle(State(app): State<Arc<AppState>>, request: Request<Body>) -> Response {
-    let started = Instant::now();
-    let span = tracing::info_span!(
-        "idemgate.request",
-        otel.kind = "server",
-        http.request.method = %request.method(),
-        url.path = %request.uri().path(),
-        tenant.id = Empty,
-        idempotency.endpoint = Empty,
-        idempotency.key = Empty,
-        idempotency.outcome = Empty,
-        http.response.status_code = Empty,
-    );
-    propagation::continue_trace(&span, request.headers());
-    let handled = serve(app, request, span.clone())
-        .instrument(span.clone())
-        .await;
-
-    let status = handled.response.status().as_u16();
-    span.record("http.response.status_code", status);
-    let endpoint = handled.endpoint.unwrap_or_else(|| "unmatched".into());
-    let elapsed = started.elapsed().as_secs_f64();
-    counter!("idemgate_requests_total", "outcome" => handled.outcome, "endpoint" => endpoint.clone()).increment(1);
-    histogram!("idemgate_request_duration_seconds", "outcome" => handled.outcome, "endpoint" => endpoint)
-        .record(elapsed);
-    span.in_scope(|| {
-        tracing::info!(
-            idempotency.outcome = handled.outcome,
-            http.status = status,
-            duration_ms = elapsed * 1000.0,
-            "request"
-        )
-    });
-    handled.response
-}
-
-async fn serve(app: Arc<AppState>, request: Request<Body>, span: Span) -> Handled {
+async fn serve(
+    app: Arc<AppState>,
+    tenant: String,
+    route: Arc<Route>,
+    key: Result<Key, Problem>,
+    request: Request,
+) -> Result<Response, Problem> {
+    // Extract.
+    let Key(key) = key?;
     let (parts, body) = request.into_parts();
-    let verified = match bearer(&parts.headers) {
-        Ok(token) => app.auth.verify_fetching(token).await,
-        Err(why) => Err(why),
-    };
-    let tenant = match verified {
-        Ok(tenant) => tenant.0,
-        Err(why) => return (Problem::Unauthorized(why), None).into(),
-    };
-    span.record("tenant.id", tenant.as_str());
-    let Some(route) = app.routes.find(&parts.method, parts.uri.path()) else {
-        return (Problem::RouteNotFound, None).into();
-    };
-    span.record("idempotency.endpoint", route.endpoint.as_str());
-    let key = if route.idempotent {
-        match idempotency_key(&parts.headers) {
-            Ok(Some(key)) => Some(key),
-            Ok(None) if !route.key_required => None,
-            Ok(None) => return (Problem::KeyMissing, Some(route)).into(),
-            Err(why) => return (Problem::KeyInvalid(why), Some(route)).into(),
-        }
-    } else {
-        None
-    };
-    let body = match read_body(
+    let body = read_body(
         body,
         &parts.headers,
         app.max_body_bytes,
         app.body_read_timeout,
     )
-    .await
-    {
-        Ok(body) => body,
-        Err(problem) => return (problem, Some(route)).into(),
-    };
+    .await?;
     // Continued only if it is a valid W3C value; anything else starts a new trace.
     let client_trace = client_traceparent(&parts.headers);
     let Some(key) = key else {
@@ -129,39 +71,32 @@ async fn serve(app: Arc<AppState>, request: Request<Body>, span: Span) -> Handle
             key: None,
             traceparent: client_trace.as_deref(),
         };
-        let response = match forward(&app, route, &sent, body, route.timeout).await {
+        let response = match forward(&app, &route, &sent, body, route.timeout).await {
             Forwarded::Answered(response) => passthrough(response),
             Forwarded::NotSent(_) => Problem::UpstreamUnavailable.into_response(),
             Forwarded::Unknown(_) => Problem::UpstreamTimeout.into_response(),
         };
-        return Handled {
-            response,
-            outcome: "proxied",
-            endpoint: Some(route.endpoint.clone()),
-        };
+        return Ok((axum::Extension(observe::Outcome("proxied")), response).into_response());
     };
-    span.record("idempotency.key", key.as_str());
-
     let target = parts.uri.path_and_query().map_or("/", |pq| pq.as_str());
     let kind = if is_json(&parts.headers) {
         BodyKind::Json
     } else {
         BodyKind::Raw
     };
-    let fingerprint = match fingerprint(&app, parts.method.as_str(), target, kind, &body).await {
-        Ok(fp) => fp,
-        Err(why) => {
-            let problem =
-                Problem::RequestInvalid(format!("the body is not acceptable JSON: {why}"));
-            return (problem, Some(route)).into();
-        }
-    };
+    let fingerprint = fingerprint(&app, parts.method.as_str(), target, kind, &body)
+        .await
+        .map_err(|why| {
+            Problem::RequestInvalid(format!("the body is not acceptable JSON: {why}"))
+        })?;
     let wait = route.policy.wait_for(preferred_wait(&parts.headers));
     let scope = Scope::new(tenant.clone(), route.endpoint.clone(), key.clone());
+    let span = Span::current();
     // Stored with the claim, so retries can link to this execution's span.
     let trace_context = propagation::traceparent(&span).or_else(|| client_trace.clone());
 
-    // A completed response held in this process answers without I/O and without a task.
+    // The engine. A completed response held in this process answers without I/O and
+    // without a task.
     let peeked = app.engine.peek(idem_core::Request {
         scope: &scope,
         fingerprint: &fingerprint,
@@ -169,13 +104,14 @@ async fn serve(app: Arc<AppState>, request: Request<Body>, span: Span) -> Handle
         wait,
         trace_context: trace_context.as_deref(),
     });
-    let result = match peeked {
-        Some(outcome) => Ok(Ok(outcome)),
+    let outcome = match peeked {
+        Some(outcome) => outcome,
         // Claim, forward and store in a task of its own: a client that hangs up drops
         // this handler's future, and must not cancel the forward-and-store half way.
         None => {
             let (app, route) = (app.clone(), route.clone());
-            app.tasks
+            let ran = app
+                .tasks
                 .clone()
                 .spawn(
                     async move {
@@ -197,45 +133,44 @@ async fn serve(app: Arc<AppState>, request: Request<Body>, span: Span) -> Handle
                     }
                     .instrument(span.clone()),
                 )
-                .await
-        }
-    };
-    let (response, outcome) = match result {
-        Ok(Ok(outcome)) => {
-            let name = outcome.name();
-            match &outcome {
-                Outcome::Executed {
-                    recorded: false, ..
-                } => {
-                    app.fenced.fetch_add(1, Ordering::Relaxed);
+                .await;
+            match ran {
+                Ok(Ok(outcome)) => outcome,
+                Ok(Err(error)) => {
+                    tracing::error!(%error, "ledger unavailable");
+                    span.record("idempotency.outcome", "error");
+                    return Err(Problem::LedgerUnavailable);
                 }
-                Outcome::Replayed { trace_context, .. }
-                | Outcome::Mismatch { trace_context, .. }
-                | Outcome::InProgress { trace_context, .. } => {
-                    // One click from this retry's trace to the first execution.
-                    if let Some(first) = trace_context {
-                        propagation::link(&span, first);
-                    }
+                Err(error) => {
+                    tracing::error!(%error, "request task failed");
+                    span.record("idempotency.outcome", "error");
+                    return Err(Problem::Internal);
                 }
-                _ => {}
             }
-            (respond(outcome, route, wait), name)
-        }
-        Ok(Err(error)) => {
-            tracing::error!(%error, "ledger unavailable");
-            (Problem::LedgerUnavailable.into_response(), "error")
-        }
-        Err(error) => {
-            tracing::error!(%error, "request task failed");
-            (Problem::Internal.into_response(), "error")
         }
     };
-    span.record("idempotency.outcome", outcome);
-    Handled {
-        response,
-        outcome,
-        endpoint: Some(route.endpoint.clone()),
+
+    // Respond.
+    let name = outcome.name();
+    match &outcome {
+        Outcome::Executed {
+            recorded: false, ..
+        } => {
+            app.fenced.fetch_add(1, Ordering::Relaxed);
+        }
+        Outcome::Replayed { trace_context, .. }
+        | Outcome::Mismatch { trace_context, .. }
+        | Outcome::InProgress { trace_context, .. } => {
+            // One click from this retry's trace to the first execution.
+            if let Some(first) = trace_context {
+                propagation::link(&span, first);
+            }
+        }
+        _ => {}
     }
+    span.record("idempotency.outcome", name);
+    let response = respond(outcome, &route, wait);
+    Ok((axum::Extension(observe::Outcome(name)), response).into_response())
 }
 
 /// What is sent upstream besides the body.
@@ -319,7 +254,7 @@ async fn execute(
                 response.status.as_u16(),
                 &response.headers,
                 response.body.full().cloned(),
-                route.policy.store_set_cookie,
+                route.store_set_cookie,
             ),
             passthrough: response,
         },
@@ -345,7 +280,7 @@ async fn forward(
     let target = parts.uri.path_and_query().map_or("/", |pq| pq.as_str());
     let uri = match route.upstream.uri_for(target) {
         Ok(uri) => uri,
-        Err(e) => return Forwarded::NotSent(format!("cannot build the upstream URI: {e}")),
+        Err(e) => return Forwarded::NotSent(upstream::NotSent::Uri(e)),
     };
     let mut request = Request::new(Full::new(body));
     *request.method_mut() = parts.method.clone();

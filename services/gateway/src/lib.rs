@@ -2,9 +2,9 @@
 //!
 //! # Layout
 //! - [`app`]: [`app::Application`] — build (connect, migrate, bind), serve, drain.
-//! - [`handler`]: one request: auth → route → key → body → engine → response, in the
-//!   `idemgate.request` span.
-//! - [`extract`]: reading the token, the key, the body and `Prefer: wait`.
+//! - [`handler`]: one request: extract → engine → respond.
+//! - [`extract`]: the extractors (tenant, matched route, key), the body and `Prefer: wait`.
+//! - [`observe`]: the `idemgate.request` span, request metrics and log line, as a layer.
 //! - [`respond`]: an engine outcome as the client's response.
 //! - [`problem`]: every error response, as `application/problem+json`.
 //! - [`server`]: the listener; connection-level limits (head timeout, hard head caps).
@@ -19,6 +19,7 @@ pub mod app;
 pub mod extract;
 pub mod handler;
 pub mod limits;
+pub mod observe;
 pub mod operator;
 pub mod problem;
 pub mod respond;

@@ -85,7 +85,7 @@ pub async fn enforce(State(app): State<Arc<AppState>>, request: Request, next: N
 }
 
 fn refuse(problem: Problem) -> Response {
-    counter!("idemgate_requests_total", "outcome" => problem.slug(), "endpoint" => "unmatched")
+    counter!("idemgate_requests_total", "outcome" => problem.outcome(), "endpoint" => "unmatched")
         .increment(1);
     problem.into_response()
 }

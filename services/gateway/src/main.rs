@@ -283,9 +283,9 @@ async fn admin_pool(config: &Config) -> anyhow::Result<sqlx::PgPool> {
         config.postgres.url.expose_secret(),
         &idem_postgres::PoolSettings {
             max_connections: 1,
-            acquire_timeout: config.postgres.acquire_timeout,
             statement_timeout: ADMIN_TIMEOUT,
             application_name: "idemgate-admin".into(),
+            ..(&config.postgres).into()
         },
     )
     .await

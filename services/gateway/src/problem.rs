@@ -1,6 +1,19 @@
 //! Every error response idemgate writes itself: `application/problem+json` (RFC 9457)
 //! with a stable `type` URI. Bodies never echo the stored request, response or
 //! fingerprint, so a stolen key is not a read oracle.
+//!
+//! # Error policy
+//! The libraries return typed errors (enums with their `#[source]`), never strings and
+//! never HTTP. This is the one place they become HTTP:
+//! - bad input (`AuthError`, `KeyHeaderError`, a body too large, late or not JSON) → a
+//!   4xx naming what to fix; nothing was claimed;
+//! - `LedgerError` before anything ran → 503 `service-unavailable` (retry, same key);
+//!   after the upstream answered → 503 `outcome-unrecorded` (the key stays held);
+//! - `idem_upstream::NotSent` → 502 (the key was released); `Unknown` → 504 (held);
+//! - Redis errors never reach a client: the breaker opens and Postgres answers alone.
+//!
+//! Causes go to the log (`tracing::error!`/`warn!` with the error's whole chain), not to
+//! the client.
 
 use std::time::Duration;
 
@@ -9,6 +22,8 @@ use http::{HeaderValue, StatusCode, header};
 use idem_auth::AuthError;
 use serde_json::json;
 
+use crate::observe::Outcome;
+
 /// The base of every problem `type` URI.
 pub const TYPE_BASE: &str = "https://idemgate.dev/problems/";
 
@@ -16,7 +31,7 @@ pub const TYPE_BASE: &str = "https://idemgate.dev/problems/";
 #[derive(Debug)]
 pub enum Problem {
     KeyMissing,
-    KeyInvalid(String),
+    KeyInvalid(crate::extract::KeyHeaderError),
     KeyReused {
         status: u16,
         /// Whether the operation the key belongs to is completed (else in progress).
@@ -56,6 +71,15 @@ impl Problem {
     /// The end of the `type` URI: a stable, bounded name (also a metrics label).
     pub fn slug(&self) -> &'static str {
         self.parts().1
+    }
+
+    /// What the request came to, for the request metrics: the slug, except for
+    /// idemgate's own failures, which are `error`.
+    pub fn outcome(&self) -> &'static str {
+        match self {
+            Problem::LedgerUnavailable | Problem::Internal => "error",
+            other => other.slug(),
+        }
     }
 
     /// For the idempotency problems: where the operation stands (`in_progress`,
@@ -103,7 +127,7 @@ impl Problem {
                 StatusCode::BAD_REQUEST,
                 "idempotency-key-invalid",
                 "Idempotency-Key invalid",
-                why.clone(),
+                why.to_string(),
             ),
             KeyReused { status, .. } => (
                 StatusCode::from_u16(*status).unwrap_or(StatusCode::CONFLICT),
@@ -216,6 +240,7 @@ impl IntoResponse for Problem {
             body["safe_new_key"] = safe_new_key.into();
         }
         let mut response = (status, body.to_string()).into_response();
+        response.extensions_mut().insert(Outcome(self.outcome()));
         let headers = response.headers_mut();
         headers.insert(
             header::CONTENT_TYPE,

@@ -37,7 +37,7 @@ pub fn respond(
             response
         }
         Outcome::Mismatch { completed, .. } => Problem::KeyReused {
-            status: route.policy.mismatch_status,
+            status: route.mismatch_status,
             completed,
         }
         .into_response(),

@@ -483,7 +483,7 @@ async fn completions_and_releases_are_announced_over_pubsub() {
         cluster: false,
         prefix: "idem:".into(),
         timeout: Duration::from_millis(200),
-        probe_interval: Duration::from_millis(200),
+        reconnect_interval: Duration::from_millis(200),
     };
     let (waiter, announcer) = (
         RedisCache::start(&settings).await.unwrap(),

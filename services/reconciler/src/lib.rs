@@ -47,14 +47,13 @@ impl Reconciler {
     pub async fn connect(config: Config) -> anyhow::Result<Self> {
         let settings = PoolSettings {
             max_connections: config.reconciler.concurrency.saturating_add(2),
-            acquire_timeout: config.postgres.acquire_timeout,
-            statement_timeout: config.postgres.statement_timeout,
             application_name: "idemgate-reconciler".into(),
+            ..(&config.postgres).into()
         };
         let pool = idem_postgres::connect(config.postgres.url.expose_secret(), &settings)
             .await
             .context("connecting to postgres.url")?;
-        let op_timeout = config.postgres.acquire_timeout + config.postgres.statement_timeout;
+        let op_timeout = config.postgres.op_timeout();
         Ok(Self {
             ledger: PgLedger::new(pool, op_timeout),
             config,

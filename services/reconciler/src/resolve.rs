@@ -139,7 +139,7 @@ impl Reconciler {
                     answer.status.as_u16(),
                     &answer.headers,
                     answer.body.full().cloned(),
-                    route.policy.store_set_cookie,
+                    route.store_set_cookie,
                 );
                 (ProbeAnswer::Found, Some(stored))
             }
@@ -149,7 +149,8 @@ impl Reconciler {
             other => {
                 let why = match other {
                     Forwarded::Answered(a) => format!("probe answered {}", a.status),
-                    Forwarded::NotSent(e) | Forwarded::Unknown(e) => e,
+                    Forwarded::NotSent(e) => e.to_string(),
+                    Forwarded::Unknown(e) => e.to_string(),
                 };
                 tracing::debug!(scope = ?row.scope, %why, "probe inconclusive");
                 (ProbeAnswer::Inconclusive, None)
@@ -164,7 +165,7 @@ impl Reconciler {
             .replace("{key}", &percent_encode(row.scope.key.as_str()));
         let uri = match route.upstream.uri_for(&path) {
             Ok(uri) => uri,
-            Err(e) => return Forwarded::NotSent(format!("bad probe URI: {e}")),
+            Err(e) => return Forwarded::NotSent(idem_upstream::NotSent::Uri(e)),
         };
         let mut request = Request::new(Full::new(Bytes::new()));
         *request.method_mut() = probe.method.clone();

@@ -1,0 +1,252 @@
+//! The configuration as a user writes it: defaults, overrides, and every refusal naming its key.
+
+use std::time::Duration;
+
+use idem_core::reconcile::OnUnknown;
+
+use crate::{Config, ConfigErrors};
+use idem_core::Disposition;
+
+const BASE: &str = r#"
+    [postgres]
+    url = "postgres://postgres@127.0.0.1:5432/idemgate"
+    [auth]
+    hs256_secret = "dev-secret-123"
+"#;
+
+fn with(extra: &str) -> Result<Config, ConfigErrors> {
+    Config::from_toml(&format!("{BASE}\n{extra}"))
+}
+
+fn error_key(extra: &str) -> String {
+    let errors = with(extra).expect_err("should be rejected");
+    errors.0[0].key.clone()
+}
+
+const ROUTE: &str = r#"
+    [[routes]]
+    method = "POST"
+    path = "/payments"
+    upstream = "http://127.0.0.1:9090"
+    idempotent = true
+"#;
+
+#[test]
+fn the_design_example_parses_with_defaults() {
+    let config = with(ROUTE).unwrap();
+    assert_eq!(config.server.listen.to_string(), "127.0.0.1:8080");
+    assert_eq!(config.server.max_body_bytes, 1024 * 1024);
+    assert_eq!(config.server.worker_threads, None);
+    let route = &config.routes.routes()[0];
+    assert_eq!(route.endpoint, "POST /payments");
+    assert_eq!(route.policy.ttl, Duration::from_secs(86_400));
+    assert_eq!(route.policy.lease, Duration::from_secs(30));
+    assert_eq!(route.timeout, Duration::from_secs(10));
+    assert!(route.key_required);
+    assert_eq!(route.on_unknown, OnUnknown::Hold);
+    assert_eq!(config.reconciler.release_confirm, Duration::from_secs(30));
+    // A 5xx proves nothing: kept where no probe can settle it, never released.
+    assert_eq!(route.policy.disposition(500), Disposition::Keep);
+    assert_eq!(route.policy.disposition(429), Disposition::Release);
+}
+
+#[test]
+fn a_route_whose_timeout_and_ledger_call_outlast_its_lease_is_refused() {
+    // 10 s + 2 s + 5 s < 30 s: the defaults fit.
+    assert!(with(ROUTE).is_ok());
+    let tight = format!("[idempotency]\nlease = \"16s\"\n{ROUTE}");
+    let errors = with(&tight).expect_err("10 s + 7 s is not shorter than 16 s");
+    assert_eq!(errors.0[0].key, "routes[0].timeout");
+    assert!(
+        errors.0[0].message.contains("postgres.acquire_timeout"),
+        "{}",
+        errors.0[0].message
+    );
+    let faster = format!(
+        "[postgres]\nurl = \"postgres://x\"\nstatement_timeout = \"1s\"\n[auth]\nhs256_secret = \"dev-secret-123\"\n[idempotency]\nlease = \"16s\"\n{ROUTE}"
+    );
+    assert!(Config::from_toml(&faster).is_ok(), "10 s + 3 s < 16 s");
+    // A route that is not idempotent has no lease to outlast.
+    let plain = ROUTE.replace("idempotent = true", "idempotent = false");
+    assert!(with(&format!("[idempotency]\nlease = \"11s\"\n{plain}")).is_ok());
+}
+
+#[test]
+fn the_limits_have_their_documented_defaults_and_bad_values_are_named() {
+    let config = with(&format!("[redis]\nurl = \"redis://a\"\n{ROUTE}")).unwrap();
+    let server = &config.server;
+    assert_eq!(
+        (
+            server.max_header_bytes,
+            server.max_headers,
+            server.max_concurrent_requests
+        ),
+        (16384, 100, 1024)
+    );
+    assert_eq!(server.header_read_timeout, Duration::from_secs(10));
+    assert_eq!(server.body_read_timeout, Duration::from_secs(30));
+    assert_eq!(config.redis.unwrap().local_cache_bytes, 64 << 20);
+    assert_eq!(config.routes.routes()[0].max_response_bytes, 10 << 20);
+    for (bad, key) in [
+        (
+            "[server]\nmax_header_bytes = 512",
+            "server.max_header_bytes",
+        ),
+        ("[server]\nmax_headers = 0", "server.max_headers"),
+        (
+            "[server]\nheader_read_timeout = \"0s\"",
+            "server.header_read_timeout",
+        ),
+        (
+            "[server]\nbody_read_timeout = \"soon\"",
+            "server.body_read_timeout",
+        ),
+        (
+            "[server]\nmax_concurrent_requests = 0",
+            "server.max_concurrent_requests",
+        ),
+        (
+            "[server]\nmax_concurrent_requests = -1",
+            "server.max_concurrent_requests",
+        ),
+    ] {
+        assert_eq!(error_key(bad), key, "{bad}");
+    }
+    assert_eq!(
+        error_key(&format!("{ROUTE}\nmax_response_bytes = 0")),
+        "routes[0].max_response_bytes"
+    );
+    assert_eq!(
+        error_key("[redis]\nurl = \"redis://a\"\nlocal_cache_bytes = 0"),
+        "redis.local_cache_bytes"
+    );
+}
+
+#[test]
+fn unknown_keys_are_named() {
+    assert_eq!(error_key("[server]\nlisten_on = \"x\""), "server.listen_on");
+    assert_eq!(error_key("[extra]\na = 1"), "extra");
+    assert_eq!(
+        error_key(&format!("{ROUTE}\nretries = 3")),
+        "routes[0].retries"
+    );
+}
+
+#[test]
+fn bad_durations_and_values_are_named() {
+    assert_eq!(
+        error_key("[idempotency]\nttl = \"forever\""),
+        "idempotency.ttl"
+    );
+    assert_eq!(
+        error_key("[idempotency]\non_in_progress = \"later\""),
+        "idempotency.on_in_progress"
+    );
+    assert_eq!(
+        error_key("[idempotency]\nmismatch_status = 400"),
+        "idempotency.mismatch_status"
+    );
+    assert_eq!(error_key("[server]\nlisten = \"nowhere\""), "server.listen");
+    assert_eq!(
+        error_key("[server]\nworker_threads = 0"),
+        "server.worker_threads"
+    );
+    assert_eq!(
+        error_key(&format!("{ROUTE}\ntimeout = \"10 parsecs\"")),
+        "routes[0].timeout"
+    );
+}
+
+#[test]
+fn route_timeout_must_be_shorter_than_the_lease() {
+    let errors = with(&format!("{ROUTE}\ntimeout = \"30s\"")).unwrap_err();
+    assert_eq!(errors.0[0].key, "routes[0].timeout");
+    assert!(errors.0[0].message.contains("lease"), "{errors}");
+    // A per-route lease can make room for a longer timeout.
+    assert!(with(&format!("{ROUTE}\ntimeout = \"30s\"\nlease = \"1m\"")).is_ok());
+}
+
+#[test]
+fn route_fields_are_validated() {
+    assert_eq!(
+        error_key(&ROUTE.replace("POST", "post")),
+        "routes[0].method"
+    );
+    assert_eq!(
+        error_key(&ROUTE.replace("/payments", "payments")),
+        "routes[0].path"
+    );
+    assert_eq!(
+        error_key(&ROUTE.replace("http://127.0.0.1:9090", "https://x")),
+        "routes[0].upstream"
+    );
+    assert_eq!(
+        error_key(&format!("{ROUTE}\nprobe = \"GET /payments\"")),
+        "routes[0].probe"
+    );
+    assert_eq!(
+        error_key(&format!("{ROUTE}\non_unknown = \"release\"")),
+        "routes[0].on_unknown"
+    );
+    assert_eq!(
+        error_key(&format!("{ROUTE}\non_unknown = \"release-after:soon\"")),
+        "routes[0].on_unknown"
+    );
+    assert_eq!(
+        error_key(&format!("{ROUTE}\nrelease_on = [\"6xx\"]")),
+        "routes[0].release_on"
+    );
+    assert_eq!(error_key(&format!("{ROUTE}{ROUTE}")), "routes[1]");
+}
+
+#[test]
+fn per_route_settings_override_defaults() {
+    let config = with(&format!(
+        "[idempotency]\nttl = \"1h\"\n{ROUTE}\nttl = \"10m\"\nmismatch_status = 422\non_unknown = \"release-after:10m\"\nprobe = \"GET /payments/by-key/{{key}}\"\nrelease_on = [\"5xx\"]"
+    ))
+    .unwrap();
+    let route = &config.routes.routes()[0];
+    assert_eq!(route.policy.ttl, Duration::from_secs(600));
+    assert_eq!(route.mismatch_status, 422);
+    assert_eq!(
+        route.on_unknown,
+        OnUnknown::ReleaseAfter(Duration::from_secs(600))
+    );
+    assert_eq!(route.probe.as_ref().unwrap().path, "/payments/by-key/{key}");
+    assert_eq!(route.policy.disposition(503), Disposition::Release);
+    assert_eq!(
+        route.policy.disposition(429),
+        Disposition::Keep,
+        "the list replaces the default"
+    );
+}
+
+#[test]
+fn redis_needs_one_of_url_or_cluster_urls() {
+    assert!(
+        with("[redis]\nurl = \"redis://127.0.0.1:6379\"")
+            .unwrap()
+            .redis
+            .is_some()
+    );
+    assert!(with("[redis]\ncluster_urls = [\"redis://127.0.0.1:7000\"]").is_ok());
+    assert_eq!(error_key("[redis]\nprefix = \"x\""), "redis");
+    assert_eq!(
+        error_key("[redis]\nurl = \"redis://a\"\ncluster_urls = [\"redis://b\"]"),
+        "redis"
+    );
+    assert_eq!(
+        error_key("[redis]\nurl = \"redis://a\"\nprefix = \"{x}\""),
+        "redis.prefix"
+    );
+    assert_eq!(
+        error_key("[redis]\nurl = \"redis://a\"\ntimeout = \"fast\""),
+        "redis.timeout"
+    );
+}
+
+#[test]
+fn missing_sections_are_named() {
+    let errors = Config::from_toml("[auth]\nhs256_secret = \"x\"").unwrap_err();
+    assert!(errors.0.iter().any(|e| e.key == "postgres"), "{errors}");
+}

@@ -1,0 +1,66 @@
+//! Observability as a layer around the request handler: the `idemgate.request` span
+//! (continuing the client's trace), the request metrics and the one log line per
+//! request. Whoever answers says what the request came to by putting an [`Outcome`]
+//! (and, once a route matched, an [`Endpoint`]) in the response's extensions; a
+//! [`crate::problem::Problem`] does so itself.
+
+use axum::extract::Request;
+use axum::middleware::Next;
+use axum::response::Response;
+use idem_telemetry::metrics::{counter, histogram};
+use idem_telemetry::propagation;
+use tokio::time::Instant;
+use tracing::Instrument;
+use tracing::field::Empty;
+
+/// What a request came to: `executed`, `replayed`, … from the engine, `proxied` on a
+/// plain route, `error`, or for a request turned away the problem's slug. A bounded
+/// set: it is a metrics label.
+#[derive(Debug, Clone, Copy)]
+pub struct Outcome(pub &'static str);
+
+/// The matched route's endpoint (`"POST /payments"`), a metrics label.
+#[derive(Debug, Clone)]
+pub struct Endpoint(pub String);
+
+pub async fn observe(request: Request, next: Next) -> Response {
+    let started = Instant::now();
+    let span = tracing::info_span!(
+        "idemgate.request",
+        otel.kind = "server",
+        http.request.method = %request.method(),
+        url.path = %request.uri().path(),
+        tenant.id = Empty,
+        idempotency.endpoint = Empty,
+        idempotency.key = Empty,
+        idempotency.outcome = Empty,
+        http.response.status_code = Empty,
+    );
+    propagation::continue_trace(&span, request.headers());
+    let response = next.run(request).instrument(span.clone()).await;
+
+    let status = response.status().as_u16();
+    span.record("http.response.status_code", status);
+    let outcome = response
+        .extensions()
+        .get::<Outcome>()
+        .map_or("error", |o| o.0);
+    let endpoint = response
+        .extensions()
+        .get::<Endpoint>()
+        .map_or_else(|| "unmatched".to_owned(), |e| e.0.clone());
+    let elapsed = started.elapsed().as_secs_f64();
+    counter!("idemgate_requests_total", "outcome" => outcome, "endpoint" => endpoint.clone())
+        .increment(1);
+    histogram!("idemgate_request_duration_seconds", "outcome" => outcome, "endpoint" => endpoint)
+        .record(elapsed);
+    span.in_scope(|| {
+        tracing::info!(
+            idempotency.outcome = outcome,
+            http.status = status,
+            duration_ms = elapsed * 1000.0,
+            "request"
+        )
+    });
+    response
+}
