@@ -7,26 +7,18 @@
 import http from 'k6/http';
 import crypto from 'k6/crypto';
 import { sleep } from 'k6';
-import { BASE_URL, token, headers, paymentBody } from './lib/common.js';
+import { BASE_URL, RUN, token, headers, paymentBody, options as scenario, constantVus } from './lib/common.js';
 
-const RUN = __ENV.RUN_ID || `${Date.now()}`;
 const DEADLINE_MS = Number(__ENV.DEADLINE_MS || 20000);
 const TIMEOUT = __ENV.REQUEST_TIMEOUT || '3s';
 const RETRY_ON = new Set([0, 409, 502, 503, 504]);
 const TENANTS = ['chaos-a', 'chaos-b'];
 
-export const options = {
-  scenarios: {
-    clients: {
-      executor: 'constant-vus',
-      vus: Number(__ENV.VUS || 12),
-      duration: __ENV.DURATION || '10s',
-      // an operation under way when the load stops still retries to its end
-      gracefulStop: `${Math.ceil(DEADLINE_MS / 1000) + 5}s`,
-    },
-  },
-  summaryTrendStats: ['med', 'p(99)', 'max'],
-};
+export const options = scenario('clients', {
+  ...constantVus(12),
+  // an operation under way when the load stops still retries to its end
+  gracefulStop: `${Math.ceil(DEADLINE_MS / 1000) + 5}s`,
+});
 
 export function setup() {
   return { tokens: TENANTS.map(token) };

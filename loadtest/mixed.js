@@ -3,27 +3,14 @@
 import http from 'k6/http';
 import { check } from 'k6';
 import exec from 'k6/execution';
-import { BASE_URL, token, headers, paymentBody, summary } from './lib/common.js';
+import { BASE_URL, RUN, token, headers, paymentBody, summary, options as scenario, arrivalRate } from './lib/common.js';
 
-const RUN = __ENV.RUN_ID || `${Date.now()}`;
 const TENANTS = ['acme', 'globex', 'initech', 'umbrella', 'hooli'];
 
-export const options = {
-  scenarios: {
-    mixed: {
-      executor: 'constant-arrival-rate',
-      rate: Number(__ENV.RATE || 200),
-      timeUnit: '1s',
-      duration: __ENV.DURATION || '10s',
-      preAllocatedVUs: Number(__ENV.VUS || 50),
-    },
-  },
-  thresholds: {
-    http_req_failed: ['rate<0.1'], // the mismatches are 409 by design
-    checks: ['rate>0.99'],
-  },
-  summaryTrendStats: ['med', 'p(90)', 'p(99)', 'max'],
-};
+export const options = scenario('mixed', arrivalRate(), {
+  http_req_failed: ['rate<0.1'], // the mismatches are 409 by design
+  checks: ['rate>0.99'],
+});
 
 export function setup() {
   return { toks: TENANTS.map((t) => token(`k6-${t}`)) };

@@ -3,27 +3,13 @@
 import http from 'k6/http';
 import { check } from 'k6';
 import exec from 'k6/execution';
-import { BASE_URL, token, headers, paymentBody, summary } from './lib/common.js';
+import { BASE_URL, RUN, token, headers, paymentBody, summary, options as scenario, arrivalRate } from './lib/common.js';
 
-const RUN = __ENV.RUN_ID || `${Date.now()}`;
-
-export const options = {
-  scenarios: {
-    new_keys: {
-      executor: 'constant-arrival-rate',
-      rate: Number(__ENV.RATE || 200),
-      timeUnit: '1s',
-      duration: __ENV.DURATION || '10s',
-      preAllocatedVUs: Number(__ENV.VUS || 50),
-    },
-  },
-  thresholds: {
-    http_req_failed: ['rate<0.01'],
-    checks: ['rate>0.99'],
-    http_req_duration: ['p(99)<1000'],
-  },
-  summaryTrendStats: ['med', 'p(90)', 'p(99)', 'max'],
-};
+export const options = scenario('new_keys', arrivalRate(), {
+  http_req_failed: ['rate<0.01'],
+  checks: ['rate>0.99'],
+  http_req_duration: ['p(99)<1000'],
+});
 
 export function setup() {
   return { tok: token('k6-new-keys') };

@@ -2,25 +2,14 @@
 // Every answer must be the stored 201 with Idempotent-Replayed: true.
 import http from 'k6/http';
 import { check } from 'k6';
-import { BASE_URL, token, headers, paymentBody, summary } from './lib/common.js';
+import { BASE_URL, RUN, token, headers, paymentBody, summary, options as scenario, constantVus } from './lib/common.js';
 
 const KEYS = Number(__ENV.KEYS || 20);
-const RUN = __ENV.RUN_ID || `${Date.now()}`;
 
-export const options = {
-  scenarios: {
-    replays: {
-      executor: 'constant-vus',
-      vus: Number(__ENV.VUS || 50),
-      duration: __ENV.DURATION || '10s',
-    },
-  },
-  thresholds: {
-    http_req_failed: ['rate<0.001'],
-    checks: ['rate>0.999'],
-  },
-  summaryTrendStats: ['med', 'p(90)', 'p(99)', 'max'],
-};
+export const options = scenario('replays', constantVus(50), {
+  http_req_failed: ['rate<0.001'],
+  checks: ['rate>0.999'],
+});
 
 export function setup() {
   const tok = token('k6-replays');

@@ -4,23 +4,16 @@
 import http from 'k6/http';
 import { check } from 'k6';
 import { Counter } from 'k6/metrics';
-import { BASE_URL, token, headers, paymentBody, summary } from './lib/common.js';
+import { BASE_URL, RUN, token, headers, paymentBody, summary, options as scenario, constantVus } from './lib/common.js';
 
-const RUN = __ENV.RUN_ID || `${Date.now()}`;
 const WINDOW_MS = Number(__ENV.WINDOW_MS || 500);
 const conflicts = new Counter('storm_in_progress');
 const replays = new Counter('storm_replays');
 
-export const options = {
-  scenarios: {
-    storm: { executor: 'constant-vus', vus: Number(__ENV.VUS || 20), duration: __ENV.DURATION || '10s' },
-  },
-  thresholds: {
-    checks: ['rate>0.999'],
-    http_req_failed: ['rate<0.5'], // 409s count as "failed" to k6; checks are the real gate
-  },
-  summaryTrendStats: ['med', 'p(90)', 'p(99)', 'max'],
-};
+export const options = scenario('storm', constantVus(20), {
+  checks: ['rate>0.999'],
+  http_req_failed: ['rate<0.5'], // 409s count as "failed" to k6; checks are the real gate
+});
 
 export function setup() {
   return { tok: token('k6-storm') };

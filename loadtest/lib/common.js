@@ -5,6 +5,8 @@ import encoding from 'k6/encoding';
 
 export const BASE_URL = __ENV.BASE_URL || 'http://127.0.0.1:8080';
 export const SECRET = __ENV.JWT_SECRET || 'dev-secret-change-me';
+// Names this run's keys apart from earlier runs' against the same database.
+export const RUN = __ENV.RUN_ID || `${Date.now()}`;
 
 const b64 = (obj) => encoding.b64encode(JSON.stringify(obj), 'rawurl');
 
@@ -26,6 +28,31 @@ export function headers(tok, key, extra) {
 
 export function paymentBody(order, amount) {
   return JSON.stringify({ orderId: order, amountUah: amount });
+}
+
+// k6 `options` with one scenario, `name`, lasting DURATION (10s unless set).
+export function options(name, scenario, thresholds) {
+  return {
+    scenarios: { [name]: Object.assign({ duration: __ENV.DURATION || '10s' }, scenario) },
+    thresholds: thresholds || {},
+    summaryTrendStats: ['med', 'p(90)', 'p(99)', 'max'],
+  };
+}
+
+// A scenario that starts RATE iterations a second (200 unless set), whatever the answers'
+// latency, with VUS virtual users (50 unless set) ready for them.
+export function arrivalRate() {
+  return {
+    executor: 'constant-arrival-rate',
+    rate: Number(__ENV.RATE || 200),
+    timeUnit: '1s',
+    preAllocatedVUs: Number(__ENV.VUS || 50),
+  };
+}
+
+// A scenario of VUS virtual users (`vus` unless set), each iterating as fast as it is answered.
+export function constantVus(vus) {
+  return { executor: 'constant-vus', vus: Number(__ENV.VUS || vus) };
 }
 
 // Writes the end-of-test summary as JSON to SUMMARY (default: stdout only) and prints
