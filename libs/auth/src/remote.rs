@@ -21,6 +21,9 @@ use hyper_util::rt::TokioExecutor;
 use serde::Deserialize;
 use tokio::time::Instant;
 
+use idem_upstream::error_chain;
+use idem_upstream::headers::max_age;
+
 use crate::keys::{self, KeySourceError};
 use crate::{Checks, KeySet};
 
@@ -326,7 +329,7 @@ impl RemoteKeys {
                 .http
                 .request(request)
                 .await
-                .map_err(|e| failed(causes(&e)))?;
+                .map_err(|e| failed(error_chain(&e)))?;
             let (parts, body) = response.into_parts();
             if parts.status != StatusCode::OK {
                 return Err(failed(format!("answered {}", parts.status)));
@@ -339,19 +342,6 @@ impl RemoteKeys {
         };
         exchange.await
     }
-}
-
-/// An error and its causes, `: `-separated (hyper-util's own message alone is "client
-/// error (Connect)"; the certificate or connection problem is in its sources).
-fn causes(error: &dyn std::error::Error) -> String {
-    let mut text = error.to_string();
-    let mut source = error.source();
-    while let Some(cause) = source {
-        text.push_str(": ");
-        text.push_str(&cause.to_string());
-        source = cause.source();
-    }
-    text
 }
 
 /// The HTTPS client's connector for fetching a provider's keys: rustls (ring) with
@@ -396,21 +386,6 @@ pub(crate) fn https_connector(
         .https_or_http()
         .enable_http1()
         .wrap_connector(http))
-}
-
-/// `Cache-Control: max-age=N`, if the answer carries it.
-fn max_age(headers: &HeaderMap) -> Option<Duration> {
-    headers
-        .get_all(header::CACHE_CONTROL)
-        .iter()
-        .filter_map(|v| v.to_str().ok())
-        .flat_map(|v| v.split(','))
-        .find_map(|d| {
-            let (name, value) = d.trim().split_once('=')?;
-            name.eq_ignore_ascii_case("max-age")
-                .then(|| value.trim_matches('"').parse().ok())?
-        })
-        .map(Duration::from_secs)
 }
 
 /// An identity provider's URL must be `https://`, or `http://` on loopback (development).
@@ -466,16 +441,5 @@ mod tests {
             let error = check_url("auth.jwks_url", bad).unwrap_err().to_string();
             assert!(error.starts_with("auth.jwks_url: "), "{bad}: {error}");
         }
-    }
-
-    #[test]
-    fn max_age_is_read_from_cache_control() {
-        let mut headers = HeaderMap::new();
-        headers.insert(
-            header::CACHE_CONTROL,
-            "public, Max-Age=\"120\", must-revalidate".parse().unwrap(),
-        );
-        assert_eq!(max_age(&headers), Some(Duration::from_secs(120)));
-        assert_eq!(max_age(&HeaderMap::new()), None);
     }
 }

@@ -20,6 +20,8 @@ use hyper_util::rt::TokioExecutor;
 use tokio::time::{Instant, Sleep};
 use tracing::Instrument;
 
+use crate::error_chain;
+
 pub type HttpClient = Client<HttpConnector, Full<Bytes>>;
 
 /// How long connecting may take. A connect that fails sent nothing, so the key is
@@ -77,18 +79,18 @@ pub enum Forwarded {
 /// carries its whole cause chain, as it goes to the log.
 #[derive(Debug, thiserror::Error)]
 pub enum NotSent {
-    #[error("cannot build the upstream URI: {}", chain(.0))]
+    #[error("cannot build the upstream URI: {}", error_chain(.0))]
     Uri(#[source] http::Error),
-    #[error("{}", chain(.0))]
+    #[error("{}", error_chain(.0))]
     Connect(#[source] hyper_util::client::legacy::Error),
 }
 
 /// Why a request that may have reached the upstream has no complete answer.
 #[derive(Debug, thiserror::Error)]
 pub enum Unknown {
-    #[error("{}", chain(.0))]
+    #[error("{}", error_chain(.0))]
     Request(#[source] hyper_util::client::legacy::Error),
-    #[error("response body broke off: {}", chain(.0))]
+    #[error("response body broke off: {}", error_chain(.0))]
     Body(#[source] hyper::Error),
     #[error("no complete answer within {0:?}")]
     Timeout(Duration),
@@ -254,16 +256,4 @@ impl Body for Streaming {
         }
         hint
     }
-}
-
-/// `e` and its sources, `: `-separated.
-fn chain(e: &(dyn std::error::Error + 'static)) -> String {
-    let mut message = e.to_string();
-    let mut source = e.source();
-    while let Some(s) = source {
-        message.push_str(": ");
-        message.push_str(&s.to_string());
-        source = s.source();
-    }
-    message
 }

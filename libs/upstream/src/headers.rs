@@ -3,8 +3,10 @@
 //! headers are stored and replayed. (The ledger and the cache only encode what this
 //! module decided to store: `idem_postgres::headers`, `idem_redis::codec`.)
 
+use std::time::Duration;
+
 use bytes::Bytes;
-use http::header::{self, HeaderMap, HeaderName, HeaderValue};
+use http::header::{self, AsHeaderName, HeaderMap, HeaderName, HeaderValue};
 use idem_core::{IdempotencyKey, StoredResponse};
 
 pub const IDEMPOTENCY_KEY: HeaderName = HeaderName::from_static("idempotency-key");
@@ -48,13 +50,42 @@ pub fn is_replayable(name: &str, store_set_cookie: bool) -> bool {
 
 /// The headers named in `Connection` (hop-by-hop for this one connection).
 fn connection_named(headers: &HeaderMap) -> Vec<HeaderName> {
+    list(headers, header::CONNECTION)
+        .filter_map(|token| HeaderName::from_bytes(token.as_bytes()).ok())
+        .collect()
+}
+
+/// A client's `Prefer: wait=N` (RFC 7240), among its other preferences.
+pub fn preferred_wait(headers: &HeaderMap) -> Option<Duration> {
+    seconds(headers, PREFER, "wait")
+}
+
+/// `Cache-Control: max-age=N`, if an answer carries it.
+pub fn max_age(headers: &HeaderMap) -> Option<Duration> {
+    seconds(headers, header::CACHE_CONTROL, "max-age")
+}
+
+/// The first `directive=N` item of a comma-separated header whose N is whole seconds
+/// (quoted or not); the directive's name is matched without regard to case.
+fn seconds(headers: &HeaderMap, name: impl AsHeaderName, directive: &str) -> Option<Duration> {
+    list(headers, name)
+        .find_map(|item| {
+            let (key, value) = item.split_once('=')?;
+            key.trim()
+                .eq_ignore_ascii_case(directive)
+                .then(|| value.trim().trim_matches('"').parse().ok())?
+        })
+        .map(Duration::from_secs)
+}
+
+/// The trimmed items of a comma-separated header, over all its lines.
+fn list(headers: &HeaderMap, name: impl AsHeaderName) -> impl Iterator<Item = &str> {
     headers
-        .get_all(header::CONNECTION)
+        .get_all(name)
         .iter()
         .filter_map(|v| v.to_str().ok())
         .flat_map(|v| v.split(','))
-        .filter_map(|token| HeaderName::from_bytes(token.trim().as_bytes()).ok())
-        .collect()
+        .map(str::trim)
 }
 
 /// Removes hop-by-hop headers: the fixed list and every header named in `Connection`.
@@ -292,5 +323,26 @@ mod tests {
         assert!(is_replayable("set-cookie", true));
         assert!(is_replayable("content-type", false));
         assert!(is_replayable("location", false));
+    }
+
+    #[test]
+    fn prefer_wait_is_found_among_other_preferences() {
+        assert_eq!(
+            preferred_wait(&map(&[("prefer", "respond-async, wait=3")])),
+            Some(Duration::from_secs(3))
+        );
+        assert_eq!(preferred_wait(&map(&[("prefer", "return=minimal")])), None);
+        assert_eq!(preferred_wait(&map(&[("prefer", "wait=soon")])), None);
+    }
+
+    #[test]
+    fn max_age_is_read_from_cache_control() {
+        let mut headers = HeaderMap::new();
+        headers.insert(
+            header::CACHE_CONTROL,
+            "public, Max-Age=\"120\", must-revalidate".parse().unwrap(),
+        );
+        assert_eq!(max_age(&headers), Some(Duration::from_secs(120)));
+        assert_eq!(max_age(&HeaderMap::new()), None);
     }
 }

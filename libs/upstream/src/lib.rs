@@ -13,3 +13,17 @@ pub mod headers;
 pub use client::{
     Forwarded, HttpClient, NotSent, ResponseBody, Unknown, UpstreamResponse, forward, pooled_client,
 };
+
+/// An error and its sources, `: `-separated, for a log line or a message. hyper's
+/// errors need it: hyper-util's own message is only "client error (Connect)", and the
+/// refused connection or the bad certificate is in its sources.
+pub fn error_chain(error: &(dyn std::error::Error + 'static)) -> String {
+    let mut message = error.to_string();
+    let mut source = error.source();
+    while let Some(cause) = source {
+        message.push_str(": ");
+        message.push_str(&cause.to_string());
+        source = cause.source();
+    }
+    message
+}

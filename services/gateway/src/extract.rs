@@ -13,7 +13,7 @@ use http::request::Parts;
 use http_body_util::{BodyExt, Limited};
 use idem_config::Route;
 use idem_core::{IdempotencyKey, KeyError};
-use idem_upstream::headers::{IDEMPOTENCY_KEY, PREFER};
+use idem_upstream::headers::IDEMPOTENCY_KEY;
 use tracing::Span;
 
 use crate::app::AppState;
@@ -139,24 +139,6 @@ pub fn is_json(headers: &HeaderMap) -> bool {
     media == "application/json" || (media.starts_with("application/") && media.ends_with("+json"))
 }
 
-/// `Prefer: wait=N` (RFC 7240), in seconds.
-pub fn preferred_wait(headers: &HeaderMap) -> Option<Duration> {
-    headers
-        .get_all(PREFER)
-        .iter()
-        .filter_map(|v| v.to_str().ok())
-        .flat_map(|v| v.split(','))
-        .filter_map(|p| {
-            let (name, value) = p.trim().split_once('=')?;
-            if !name.trim().eq_ignore_ascii_case("wait") {
-                return None;
-            }
-            value.trim().trim_matches('"').parse::<u64>().ok()
-        })
-        .map(Duration::from_secs)
-        .next()
-}
-
 /// Reads the whole body, at most `limit` bytes (413 past it) within `timeout` (408).
 pub async fn read_body(
     body: Body,
@@ -215,19 +197,6 @@ mod tests {
         )])));
         assert!(!is_json(&headers(&[("content-type", "text/plain")])));
         assert!(!is_json(&headers(&[])));
-    }
-
-    #[test]
-    fn prefer_wait_is_found_among_other_preferences() {
-        assert_eq!(
-            preferred_wait(&headers(&[("prefer", "respond-async, wait=3")])),
-            Some(Duration::from_secs(3))
-        );
-        assert_eq!(
-            preferred_wait(&headers(&[("prefer", "return=minimal")])),
-            None
-        );
-        assert_eq!(preferred_wait(&headers(&[("prefer", "wait=soon")])), None);
     }
 
     #[test]

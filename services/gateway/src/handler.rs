@@ -16,13 +16,13 @@ use idem_config::Route;
 use idem_core::{Attempt, BodyKind, Execution, Fingerprint, IdempotencyKey, Outcome, Scope};
 use idem_telemetry::metrics::{gauge, histogram};
 use idem_telemetry::propagation;
-use idem_upstream::headers::{self as h};
+use idem_upstream::headers as h;
 use idem_upstream::{self as upstream, Forwarded};
 use tokio::time::Instant;
 use tracing::{Instrument, Span};
 
 use crate::app::AppState;
-use crate::extract::{Key, Matched, Tenant, is_json, preferred_wait, read_body};
+use crate::extract::{Key, Matched, Tenant, is_json, read_body};
 use crate::observe::{self, Endpoint};
 use crate::problem::Problem;
 use crate::respond::{passthrough, respond};
@@ -89,7 +89,7 @@ async fn serve(
         .map_err(|why| {
             Problem::RequestInvalid(format!("the body is not acceptable JSON: {why}"))
         })?;
-    let wait = route.policy.wait_for(preferred_wait(&parts.headers));
+    let wait = route.policy.wait_for(h::preferred_wait(&parts.headers));
     let scope = Scope::new(tenant.clone(), route.endpoint.clone(), key.clone());
     let span = Span::current();
     // Stored with the claim, so retries can link to this execution's span.
