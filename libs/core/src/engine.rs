@@ -16,7 +16,7 @@ use tokio::time::Instant;
 use crate::fingerprint::Fingerprint;
 use crate::policy::{Disposition, Policy};
 use crate::ports::{
-    Cache, CacheEntry, CacheProbe, Claim, ClaimResult, Fence, Ledger, LedgerError, NoCache,
+    Cache, CacheEntry, CacheLookup, Claim, ClaimResult, Fence, Ledger, LedgerError, NoCache,
 };
 use crate::record::{AttemptId, Record, RecordState, StoredResponse};
 use crate::scope::Scope;
@@ -92,7 +92,7 @@ pub enum Outcome<R> {
         completed: bool,
     },
     /// Another attempt is running, or (`outcome_unknown`) its lease ran out without a
-    /// result and the reconciler has yet to settle it.
+    /// result and the reconciler has yet to resolve it.
     InProgress {
         retry_after: Duration,
         trace_context: Option<String>,
@@ -203,9 +203,13 @@ impl<L: Ledger, C: Cache> Engine<L, C> {
     {
         let attempt = AttemptId::random();
         let mut locked = false;
-        match self.cache.probe(req.scope, attempt, req.policy.lease).await {
-            CacheProbe::Completed(entry, _) => return Ok(cached(entry, req.fingerprint)),
-            CacheProbe::Locked { held_for }
+        match self
+            .cache
+            .lookup(req.scope, attempt, req.policy.lease)
+            .await
+        {
+            CacheLookup::Completed(entry, _) => return Ok(cached(entry, req.fingerprint)),
+            CacheLookup::Locked { held_for }
                 if held_for < LOCK_TRUSTED_FOR && req.wait.is_none() =>
             {
                 return Ok(Outcome::InProgress {
@@ -215,8 +219,8 @@ impl<L: Ledger, C: Cache> Engine<L, C> {
                     outcome_unknown: false,
                 });
             }
-            CacheProbe::Acquired => locked = true,
-            CacheProbe::Locked { .. } | CacheProbe::Unavailable => {}
+            CacheLookup::Acquired => locked = true,
+            CacheLookup::Locked { .. } | CacheLookup::Unavailable => {}
         }
 
         let deadline = req.wait.map(|w| Instant::now() + w);
@@ -253,18 +257,18 @@ impl<L: Ledger, C: Cache> Engine<L, C> {
                 }
                 ClaimResult::Existing(record) => record,
             };
-            let record = match self.settle(req, record, waited).await {
-                Settled::Done(outcome) => return Ok(outcome),
-                Settled::Running(record) => record,
+            let record = match self.answer_existing(req, record, waited).await {
+                Existing::Answered(outcome) => return Ok(outcome),
+                Existing::Running(record) => record,
             };
             let Some(deadline) = deadline else {
                 return Ok(in_progress(&record, waited));
             };
             waited = true;
             match self.wait(req, deadline).await? {
-                Waited::Settled(record) => match self.settle(req, record, true).await {
-                    Settled::Done(outcome) => return Ok(outcome),
-                    Settled::Running(record) => return Ok(in_progress(&record, true)),
+                Waited::Current(record) => match self.answer_existing(req, record, true).await {
+                    Existing::Answered(outcome) => return Ok(outcome),
+                    Existing::Running(record) => return Ok(in_progress(&record, true)),
                 },
                 // The first attempt released the key: claim it again.
                 Waited::Released => continue,
@@ -279,10 +283,15 @@ impl<L: Ledger, C: Cache> Engine<L, C> {
     }
 
     /// Decides what an existing record means for this request.
-    async fn settle<R>(&self, req: Request<'_>, record: Record, waited: bool) -> Settled<R> {
+    async fn answer_existing<R>(
+        &self,
+        req: Request<'_>,
+        record: Record,
+        waited: bool,
+    ) -> Existing<R> {
         let read_at = Instant::now();
         if record.fingerprint != *req.fingerprint {
-            return Settled::Done(Outcome::Mismatch {
+            return Existing::Answered(Outcome::Mismatch {
                 completed: matches!(record.state, RecordState::Completed(_)),
                 trace_context: record.trace_context,
             });
@@ -301,13 +310,13 @@ impl<L: Ledger, C: Cache> Engine<L, C> {
                         self.cache.fill(req.scope, &entry, ttl).await;
                     }
                 }
-                Settled::Done(Outcome::Replayed {
+                Existing::Answered(Outcome::Replayed {
                     response: entry.response,
                     trace_context: entry.trace_context,
                     waited,
                 })
             }
-            RecordState::InProgress { .. } => Settled::Running(Box::new(record)),
+            RecordState::InProgress { .. } => Existing::Running(Box::new(record)),
         }
     }
 
@@ -326,10 +335,10 @@ impl<L: Ledger, C: Cache> Engine<L, C> {
                 None => return Ok(Waited::Released),
                 Some(record) if matches!(record.state, RecordState::InProgress { .. }) => {
                     if record.fingerprint != *req.fingerprint || Instant::now() >= deadline {
-                        return Ok(Waited::Settled(record));
+                        return Ok(Waited::Current(record));
                     }
                 }
-                Some(record) => return Ok(Waited::Settled(record)),
+                Some(record) => return Ok(Waited::Current(record)),
             }
         }
     }
@@ -460,13 +469,17 @@ impl<L: Ledger, C: Cache> Engine<L, C> {
     }
 }
 
-enum Settled<R> {
-    Done(Outcome<R>),
+/// What an existing record means for a request: an answer now, or still running.
+enum Existing<R> {
+    Answered(Outcome<R>),
     Running(Box<Record>),
 }
 
+/// How a wait for a running record ended.
 enum Waited {
-    Settled(Record),
+    /// The record as it stands: finished, or still running at the deadline.
+    Current(Record),
+    /// The record is gone: the first attempt gave the key up.
     Released,
 }
 

@@ -29,7 +29,7 @@ pub use fingerprint::{BodyKind, Fingerprint};
 pub use key::{IdempotencyKey, KeyError};
 pub use policy::{Disposition, OnInProgress, Policy, StatusSet};
 pub use ports::{
-    Cache, CacheEntry, CacheProbe, Claim, ClaimResult, Fence, Ledger, LedgerError, MaybeCache,
+    Cache, CacheEntry, CacheLookup, Claim, ClaimResult, Fence, Ledger, LedgerError, MaybeCache,
     NoCache,
 };
 pub use record::{AttemptId, Record, RecordState, StoredResponse};

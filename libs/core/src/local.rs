@@ -20,7 +20,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use tokio::time::Instant;
 
-use crate::ports::{Cache, CacheEntry, CacheProbe};
+use crate::ports::{Cache, CacheEntry, CacheLookup};
 use crate::record::AttemptId;
 use crate::scope::Scope;
 
@@ -180,14 +180,14 @@ impl<C> Local<C> {
 }
 
 impl<C: Cache> Cache for Local<C> {
-    async fn probe(&self, scope: &Scope, attempt: AttemptId, lease: Duration) -> CacheProbe {
+    async fn lookup(&self, scope: &Scope, attempt: AttemptId, lease: Duration) -> CacheLookup {
         if let Some(entry) = self.get(scope) {
-            return CacheProbe::Completed(entry, None);
+            return CacheLookup::Completed(entry, None);
         }
-        match self.inner.probe(scope, attempt, lease).await {
-            CacheProbe::Completed(entry, Some(ttl)) => {
+        match self.inner.lookup(scope, attempt, lease).await {
+            CacheLookup::Completed(entry, Some(ttl)) => {
                 self.put(scope, &entry, ttl);
-                CacheProbe::Completed(entry, Some(ttl))
+                CacheLookup::Completed(entry, Some(ttl))
             }
             other => other,
         }
@@ -254,22 +254,22 @@ mod tests {
             .await;
         assert!(matches!(
             local
-                .probe(&scope("a"), AttemptId::random(), Duration::ZERO)
+                .lookup(&scope("a"), AttemptId::random(), Duration::ZERO)
                 .await,
-            CacheProbe::Completed(..)
+            CacheLookup::Completed(..)
         ));
         assert!(matches!(
             local
-                .probe(&scope("b"), AttemptId::random(), Duration::ZERO)
+                .lookup(&scope("b"), AttemptId::random(), Duration::ZERO)
                 .await,
-            CacheProbe::Unavailable
+            CacheLookup::Unavailable
         ));
         tokio::time::advance(Duration::from_millis(50)).await;
         assert!(matches!(
             local
-                .probe(&scope("a"), AttemptId::random(), Duration::ZERO)
+                .lookup(&scope("a"), AttemptId::random(), Duration::ZERO)
                 .await,
-            CacheProbe::Unavailable
+            CacheLookup::Unavailable
         ));
         assert_eq!((local.len(), local.bytes()), (0, 0), "expired entries go");
     }

@@ -100,7 +100,7 @@ pub struct CacheEntry {
 
 /// What the fast path knows about a scope, from one round trip.
 #[derive(Debug)]
-pub enum CacheProbe {
+pub enum CacheLookup {
     /// A completed response is cached, for at most this much longer (when known).
     Completed(CacheEntry, Option<Duration>),
     /// Another attempt took the in-progress lock `held_for` ago.
@@ -116,12 +116,12 @@ pub enum CacheProbe {
 /// execute; at most it can turn a request away early.
 pub trait Cache: Send + Sync {
     /// One round trip: the cached response, or the lock's state (taking it if free).
-    fn probe(
+    fn lookup(
         &self,
         scope: &Scope,
         attempt: AttemptId,
         lease: Duration,
-    ) -> impl Future<Output = CacheProbe> + Send;
+    ) -> impl Future<Output = CacheLookup> + Send;
 
     /// Caches a completed response read from the ledger. `ttl` must not outlive the row.
     fn fill(
@@ -149,7 +149,7 @@ pub trait Cache: Send + Sync {
     fn changed(&self, scope: &Scope) -> impl Future<Output = ()> + Send;
 
     /// A completed response held in this process, if any: no I/O and no side effect
-    /// (unlike [`Cache::probe`], which may take a lock).
+    /// (unlike [`Cache::lookup`], which may take a lock).
     fn peek(&self, _scope: &Scope) -> Option<CacheEntry> {
         None
     }
@@ -160,8 +160,8 @@ pub trait Cache: Send + Sync {
 pub struct NoCache;
 
 impl Cache for NoCache {
-    async fn probe(&self, _: &Scope, _: AttemptId, _: Duration) -> CacheProbe {
-        CacheProbe::Unavailable
+    async fn lookup(&self, _: &Scope, _: AttemptId, _: Duration) -> CacheLookup {
+        CacheLookup::Unavailable
     }
     async fn fill(&self, _: &Scope, _: &CacheEntry, _: Duration) {}
     async fn complete(&self, _: &Scope, _: AttemptId, _: &CacheEntry, _: Duration) {}
@@ -179,10 +179,10 @@ pub enum MaybeCache<C> {
 }
 
 impl<C: Cache> Cache for MaybeCache<C> {
-    async fn probe(&self, scope: &Scope, attempt: AttemptId, lease: Duration) -> CacheProbe {
+    async fn lookup(&self, scope: &Scope, attempt: AttemptId, lease: Duration) -> CacheLookup {
         match self {
-            Self::Some(c) => c.probe(scope, attempt, lease).await,
-            Self::None => CacheProbe::Unavailable,
+            Self::Some(c) => c.lookup(scope, attempt, lease).await,
+            Self::None => CacheLookup::Unavailable,
         }
     }
     async fn fill(&self, scope: &Scope, entry: &CacheEntry, ttl: Duration) {

@@ -8,7 +8,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use idem_core::policy::default_release_statuses;
 use idem_core::{
-    AttemptId, BodyKind, Cache, CacheEntry, CacheProbe, Claim, ClaimResult, Engine, Execution,
+    AttemptId, BodyKind, Cache, CacheEntry, CacheLookup, Claim, ClaimResult, Engine, Execution,
     Fence, Fingerprint, IdempotencyKey, Ledger, LedgerError, OnInProgress, Outcome, Policy, Record,
     RecordState, Request, Scope, StoredResponse, UnknownCause,
 };
@@ -536,16 +536,16 @@ async fn peek_answers_from_the_in_process_cache_only() {
     );
 }
 
-/// A cache that answers every probe as the test says and records what the engine
+/// A cache that answers every lookup as the test says and records what the engine
 /// asked of it: the fast path's branches without Redis.
 #[derive(Default)]
 struct FakeCache {
-    answer: Mutex<Option<FakeProbe>>,
+    answer: Mutex<Option<FakeLookup>>,
     calls: Mutex<Vec<String>>,
 }
 
 #[derive(Clone)]
-enum FakeProbe {
+enum FakeLookup {
     Completed(CacheEntry),
     Locked(Duration),
     Acquired,
@@ -553,14 +553,14 @@ enum FakeProbe {
 }
 
 impl FakeCache {
-    fn answering(probe: FakeProbe) -> Self {
+    fn answering(lookup: FakeLookup) -> Self {
         let cache = Self::default();
-        cache.answer(probe);
+        cache.answer(lookup);
         cache
     }
 
-    fn answer(&self, probe: FakeProbe) {
-        *self.answer.lock().unwrap() = Some(probe);
+    fn answer(&self, lookup: FakeLookup) {
+        *self.answer.lock().unwrap() = Some(lookup);
     }
 
     fn calls(&self) -> Vec<String> {
@@ -573,13 +573,13 @@ impl FakeCache {
 }
 
 impl Cache for FakeCache {
-    async fn probe(&self, _: &Scope, attempt: AttemptId, _: Duration) -> CacheProbe {
-        self.note(format!("probe {}", attempt.0));
+    async fn lookup(&self, _: &Scope, attempt: AttemptId, _: Duration) -> CacheLookup {
+        self.note(format!("lookup {}", attempt.0));
         match self.answer.lock().unwrap().clone().expect("an answer set") {
-            FakeProbe::Completed(entry) => CacheProbe::Completed(entry, None),
-            FakeProbe::Locked(held_for) => CacheProbe::Locked { held_for },
-            FakeProbe::Acquired => CacheProbe::Acquired,
-            FakeProbe::Unavailable => CacheProbe::Unavailable,
+            FakeLookup::Completed(entry) => CacheLookup::Completed(entry, None),
+            FakeLookup::Locked(held_for) => CacheLookup::Locked { held_for },
+            FakeLookup::Acquired => CacheLookup::Acquired,
+            FakeLookup::Unavailable => CacheLookup::Unavailable,
         }
     }
     async fn fill(&self, _: &Scope, entry: &CacheEntry, _: Duration) {
@@ -596,11 +596,11 @@ impl Cache for FakeCache {
     }
 }
 
-/// The attempt the engine probed with (the first call).
-fn probed_attempt(calls: &[String]) -> &str {
+/// The attempt the engine looked up with (the first call).
+fn looked_up_attempt(calls: &[String]) -> &str {
     calls[0]
-        .strip_prefix("probe ")
-        .expect("the probe comes first")
+        .strip_prefix("lookup ")
+        .expect("the lookup comes first")
 }
 
 #[tokio::test]
@@ -612,7 +612,7 @@ async fn a_cached_completion_answers_without_the_ledger_after_a_fingerprint_chec
     };
     let engine = Engine::with_cache(
         MemLedger::default(),
-        FakeCache::answering(FakeProbe::Completed(paid)),
+        FakeCache::answering(FakeLookup::Completed(paid)),
     );
     let (same, ran) = run(&engine, r#"{"a":1}"#, None, answered(201, "again")).await;
     assert!(!ran);
@@ -636,7 +636,7 @@ async fn a_cached_completion_answers_without_the_ledger_after_a_fingerprint_chec
 async fn a_young_lock_turns_a_retry_away_and_an_old_one_asks_the_ledger() {
     let engine = Engine::with_cache(
         MemLedger::default(),
-        FakeCache::answering(FakeProbe::Acquired),
+        FakeCache::answering(FakeLookup::Acquired),
     );
     run(&engine, r#"{"a":1}"#, None, answered(201, "paid")).await;
     engine.cache().calls();
@@ -644,7 +644,7 @@ async fn a_young_lock_turns_a_retry_away_and_an_old_one_asks_the_ledger() {
 
     engine
         .cache()
-        .answer(FakeProbe::Locked(Duration::from_millis(200)));
+        .answer(FakeLookup::Locked(Duration::from_millis(200)));
     let (young, ran) = run(&engine, r#"{"a":1}"#, None, answered(201, "again")).await;
     assert!(!ran);
     assert!(matches!(young, Outcome::InProgress { .. }), "{young:?}");
@@ -655,7 +655,7 @@ async fn a_young_lock_turns_a_retry_away_and_an_old_one_asks_the_ledger() {
     // and the unlock): the ledger knows the row completed.
     engine
         .cache()
-        .answer(FakeProbe::Locked(Duration::from_secs(2)));
+        .answer(FakeLookup::Locked(Duration::from_secs(2)));
     let (old, ran) = run(&engine, r#"{"a":1}"#, None, answered(201, "again")).await;
     assert!(!ran);
     assert!(matches!(old, Outcome::Replayed { ref response, .. } if response.body == "paid"));
@@ -668,12 +668,12 @@ async fn a_young_lock_turns_a_retry_away_and_an_old_one_asks_the_ledger() {
 async fn an_acquired_lock_is_handed_over_with_the_result_or_dropped() {
     let engine = Engine::with_cache(
         MemLedger::default(),
-        FakeCache::answering(FakeProbe::Acquired),
+        FakeCache::answering(FakeLookup::Acquired),
     );
     let (done, _) = run(&engine, r#"{"a":1}"#, None, answered(201, "paid")).await;
     assert!(matches!(done, Outcome::Executed { recorded: true, .. }));
     let calls = engine.cache().calls();
-    let attempt = probed_attempt(&calls);
+    let attempt = looked_up_attempt(&calls);
     assert_eq!(calls[1..], [format!("complete {attempt} 201")], "{calls:?}");
 
     // Released (a 429 proves nothing ran): the lock goes, no result is cached.
@@ -696,7 +696,10 @@ async fn an_acquired_lock_is_handed_over_with_the_result_or_dropped() {
         .await
         .unwrap();
     let calls = engine.cache().calls();
-    assert_eq!(calls[1..], [format!("unlock {}", probed_attempt(&calls))]);
+    assert_eq!(
+        calls[1..],
+        [format!("unlock {}", looked_up_attempt(&calls))]
+    );
 
     // The lock was free but the ledger has the row (Redis lost its copy): the lock is
     // dropped and the ledger's answer replayed.
@@ -707,7 +710,7 @@ async fn an_acquired_lock_is_handed_over_with_the_result_or_dropped() {
     assert_eq!(
         calls[1..],
         [
-            format!("unlock {}", probed_attempt(&calls)),
+            format!("unlock {}", looked_up_attempt(&calls)),
             "fill 201".into()
         ]
     );
@@ -717,7 +720,7 @@ async fn an_acquired_lock_is_handed_over_with_the_result_or_dropped() {
 async fn an_unavailable_cache_leaves_every_decision_to_the_ledger() {
     let engine = Engine::with_cache(
         MemLedger::default(),
-        FakeCache::answering(FakeProbe::Unavailable),
+        FakeCache::answering(FakeLookup::Unavailable),
     );
     let (first, ran) = run(&engine, r#"{"a":1}"#, None, answered(201, "paid")).await;
     assert!(ran && matches!(first, Outcome::Executed { .. }));

@@ -16,7 +16,7 @@ use bytes::Bytes;
 use idem_core::policy::default_release_statuses;
 use idem_core::reconcile::{self, History, OnUnknown, ProbeAnswer, Resolution, Rules};
 use idem_core::{
-    AttemptId, BodyKind, Cache, CacheEntry, CacheProbe, Claim, ClaimResult, Disposition, Engine,
+    AttemptId, BodyKind, Cache, CacheEntry, CacheLookup, Claim, ClaimResult, Disposition, Engine,
     Execution, Fence, Fingerprint, IdempotencyKey, Ledger, LedgerError, OnInProgress, Outcome,
     Policy, Record, RecordState, Request, Scope, StoredResponse,
 };
@@ -223,15 +223,15 @@ fn view(row: &Row, now: Instant) -> Record {
 struct Cache_(Arc<World>);
 
 impl Cache for Cache_ {
-    async fn probe(&self, scope: &Scope, attempt: AttemptId, lease: Duration) -> CacheProbe {
+    async fn lookup(&self, scope: &Scope, attempt: AttemptId, lease: Duration) -> CacheLookup {
         if step().await.is_err() {
-            return CacheProbe::Unavailable;
+            return CacheLookup::Unavailable;
         }
         let mut cache = self.0.cache.lock().unwrap();
         let now = Instant::now();
         match cache.get(scope) {
-            Some(Slot::Completed(entry)) => CacheProbe::Completed(entry.clone(), None),
-            Some(Slot::Locked { since, .. }) if now < *since + lease => CacheProbe::Locked {
+            Some(Slot::Completed(entry)) => CacheLookup::Completed(entry.clone(), None),
+            Some(Slot::Locked { since, .. }) if now < *since + lease => CacheLookup::Locked {
                 held_for: now - *since,
             },
             _ => {
@@ -242,7 +242,7 @@ impl Cache for Cache_ {
                         since: now,
                     },
                 );
-                CacheProbe::Acquired
+                CacheLookup::Acquired
             }
         }
     }

@@ -10,7 +10,7 @@
 //! # Layout
 //! - [`keys`]: the key layout (one hash tag per scope: Redis Cluster safe).
 //! - [`codec`]: the cached response's binary form.
-//! - [`scripts`]: the Lua scripts (probe, complete, unlock).
+//! - [`scripts`]: the Lua scripts (lookup, complete, unlock).
 //! - [`conn`]: the shared connection, deadpool-made, behind a circuit breaker.
 //! - [`notify`]: pub/sub wake-ups for retries that wait.
 #![forbid(unsafe_code)]
@@ -25,7 +25,7 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use idem_core::{AttemptId, Cache, CacheEntry, CacheProbe, Scope};
+use idem_core::{AttemptId, Cache, CacheEntry, CacheLookup, Scope};
 use redis::Value;
 
 use crate::conn::{Breaker, Pools};
@@ -151,12 +151,12 @@ fn millis(d: Duration) -> u64 {
 }
 
 impl Cache for RedisCache {
-    async fn probe(&self, scope: &Scope, attempt: AttemptId, lease: Duration) -> CacheProbe {
+    async fn lookup(&self, scope: &Scope, attempt: AttemptId, lease: Duration) -> CacheLookup {
         let keys = keys::scope_keys(&self.prefix, scope);
         let reply = self
             .breaker
-            .run("probe", |mut conn| async move {
-                scripts::PROBE
+            .run("lookup", |mut conn| async move {
+                scripts::LOOKUP
                     .key(&keys.response)
                     .key(&keys.lock)
                     .arg(token(attempt))
@@ -172,36 +172,36 @@ impl Cache for RedisCache {
                     Some(entry) => {
                         stats.hits.fetch_add(1, Ordering::Relaxed);
                         let left = u64::try_from(*pttl).ok().map(Duration::from_millis);
-                        CacheProbe::Completed(entry, left)
+                        CacheLookup::Completed(entry, left)
                     }
                     None => {
                         stats.errors.fetch_add(1, Ordering::Relaxed);
                         tracing::warn!(?scope, "undecodable cache entry; asking Postgres");
-                        CacheProbe::Unavailable
+                        CacheLookup::Unavailable
                     }
                 }
             }
             Some([Value::Int(2)]) => {
                 stats.misses.fetch_add(1, Ordering::Relaxed);
-                CacheProbe::Acquired
+                CacheLookup::Acquired
             }
             Some([Value::Int(3), Value::Int(held)]) => {
                 stats.misses.fetch_add(1, Ordering::Relaxed);
-                CacheProbe::Locked {
+                CacheLookup::Locked {
                     held_for: Duration::from_millis(u64::try_from(*held).unwrap_or(0)),
                 }
             }
             Some([Value::Int(4), reason]) => {
                 stats.errors.fetch_add(1, Ordering::Relaxed);
                 tracing::debug!(?reason, "Redis refused the lock; asking Postgres");
-                CacheProbe::Unavailable
+                CacheLookup::Unavailable
             }
             Some(other) => {
                 stats.errors.fetch_add(1, Ordering::Relaxed);
-                tracing::warn!(?other, "unexpected probe reply; asking Postgres");
-                CacheProbe::Unavailable
+                tracing::warn!(?other, "unexpected lookup reply; asking Postgres");
+                CacheLookup::Unavailable
             }
-            None => CacheProbe::Unavailable,
+            None => CacheLookup::Unavailable,
         }
     }
 

@@ -9,7 +9,7 @@ use redis::Script;
 /// Returns `{1, response, pttl}` (cached), `{2}` (lock taken), `{3, held ms}` (locked) or
 /// `{4, error}` when the lock could not be written (e.g. OOM under `maxmemory`): Redis
 /// is up but cannot help with this request, which is no reason to open the breaker.
-pub static PROBE: LazyLock<Script> = LazyLock::new(|| {
+pub static LOOKUP: LazyLock<Script> = LazyLock::new(|| {
     Script::new(
         r"
         local r = redis.call('GET', KEYS[1])

@@ -336,7 +336,7 @@ fn describe_metrics() {
     describe_counter!("idemgate_cache_hits_total", "Replays served from Redis.");
     describe_counter!(
         "idemgate_cache_misses_total",
-        "Fast-path probes without a cached response."
+        "Fast-path lookups without a cached response."
     );
     describe_counter!(
         "idemgate_cache_errors_total",

@@ -32,10 +32,11 @@ impl Reconciler {
         if let Some(first) = &row.trace_context {
             propagation::link(&span, first);
         }
-        self.settle_row(row).instrument(span).await
+        self.reconcile_row(row).instrument(span).await
     }
 
-    async fn settle_row(&self, row: StuckRow) -> Result<(), LedgerError> {
+    /// Asks the route's status probe (if any), decides, and writes the decision fenced.
+    async fn reconcile_row(&self, row: StuckRow) -> Result<(), LedgerError> {
         let scope = &row.scope;
         let settings = &self.config.reconciler;
         let Some(route) = self.config.routes.by_endpoint(&scope.endpoint) else {
@@ -75,7 +76,7 @@ impl Reconciler {
             Resolution::Complete => {
                 let stored = found.expect("a found answer comes with its response");
                 let fence = self.ledger.resolve(&row, &stored, route.policy.ttl).await?;
-                self.settled(
+                self.report(
                     &row,
                     fence,
                     &self.stats.completed,
@@ -96,7 +97,7 @@ impl Reconciler {
                         (&self.stats.released_after, "released by on_unknown policy")
                     }
                 };
-                self.settled(&row, fence, counter, what);
+                self.report(&row, fence, counter, what);
             }
             Resolution::ConfirmLater { after } => {
                 tracing::info!(?scope, confirm_in = ?after, "probe said 404; asked again before the key is released");
@@ -189,7 +190,8 @@ impl Reconciler {
         .await
     }
 
-    fn settled(
+    /// Logs and counts a fenced write: `what` happened, or the first attempt won.
+    fn report(
         &self,
         row: &StuckRow,
         fence: Fence,
