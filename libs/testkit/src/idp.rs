@@ -81,8 +81,9 @@ impl Idp {
             .expect("run node (Node.js 20 or later must be installed)");
         let stdout = child.stdout.take().unwrap();
         let mut lines = BufReader::new(stdout).lines();
-        // Up to half a minute: eight of these starting at once on two cores is slow.
-        let url = tokio::time::timeout(Duration::from_secs(30), async {
+        // Up to a minute: eight of these loading oidc-provider at once on two cores, beside
+        // the other test binaries, once took over half a minute.
+        let url = tokio::time::timeout(Duration::from_secs(60), async {
             while let Some(line) = lines.next_line().await.expect("read stdout") {
                 if let Some(url) = line.strip_prefix("idp listening on ") {
                     return Some(url.to_owned());
