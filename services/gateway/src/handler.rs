@@ -129,7 +129,16 @@ async fn serve(
                             traceparent: client_trace.as_deref(),
                         };
                         let execute = |attempt| execute(&app, &route, &sent, body, attempt);
-                        app.engine.run(request, execute).await
+                        let outcome = app.engine.run(request, execute).await;
+                        // Counted here, not once the client hears: a fenced completion
+                        // mostly follows a stall long enough for the client to give up.
+                        if let Ok(Outcome::Executed {
+                            recorded: false, ..
+                        }) = &outcome
+                        {
+                            app.fenced.fetch_add(1, Ordering::Relaxed);
+                        }
+                        outcome
                     }
                     .instrument(span.clone()),
                 )
@@ -153,11 +162,6 @@ async fn serve(
     // Respond.
     let name = outcome.name();
     match &outcome {
-        Outcome::Executed {
-            recorded: false, ..
-        } => {
-            app.fenced.fetch_add(1, Ordering::Relaxed);
-        }
         Outcome::Replayed { trace_context, .. }
         | Outcome::Mismatch { trace_context, .. }
         | Outcome::InProgress { trace_context, .. } => {

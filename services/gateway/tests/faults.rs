@@ -213,6 +213,54 @@ async fn a_client_that_hangs_up_does_not_leave_the_claim_half_done() {
     assert_eq!(db.executions("demo_payments", "acme", &key).await, 1);
 }
 
+/// A completion the fence turns away (the row changed hands while the upstream worked, as
+/// when the reconciler resolves a row whose lease ran out) is counted even though its
+/// client hung up long before: the count is the gateway's, not the request's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fenced_completion_is_counted_after_its_client_hung_up() {
+    let (db, gw, http) = setup().await;
+    let key = new_key();
+    let impatient = in_flight(
+        http.pay(
+            &gw.url("/payments"),
+            "acme",
+            &key,
+            &payment("o-fenced", 100),
+        )
+        .demo_delay(600)
+        .send(),
+        Duration::from_millis(200),
+    )
+    .await;
+    let mut conn = db.connect().await;
+    let taken = sqlx::query(
+        "UPDATE idempotency_keys SET attempt = gen_random_uuid() \
+         WHERE tenant_id = 'acme' AND key = $1 AND status = 'in_progress'",
+    )
+    .bind(&key)
+    .execute(&mut conn)
+    .await
+    .unwrap();
+    assert_eq!(taken.rows_affected(), 1, "the claim is in the ledger");
+    impatient.abort(); // the client is gone before the upstream answers
+    assert!(impatient.await.unwrap_err().is_cancelled());
+
+    // Real time: the demo answers at 600 ms, then the completion is fenced out.
+    let fenced = || async {
+        let text = http.get(&gw.url("/metrics")).send().await.body.to_vec();
+        metric(
+            &String::from_utf8(text).unwrap(),
+            "idemgate_fenced_completions_total",
+        )
+    };
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(3);
+    while fenced().await != Some(1.0) && tokio::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(fenced().await, Some(1.0));
+    assert_eq!(db.executions("demo_payments", "acme", &key).await, 1);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn shutdown_finishes_in_flight_requests_and_stops_accepting() {
     let (db, mut gw, http) = setup().await;
