@@ -179,20 +179,8 @@ async fn concurrent_retries_of_an_expired_key_execute_once() {
 async fn a_client_that_hangs_up_does_not_leave_the_claim_half_done() {
     let (db, gw, http) = setup().await;
     let key = new_key();
-    let impatient = in_flight(
-        http.pay(
-            &gw.url("/payments"),
-            "acme",
-            &key,
-            &payment("o-hangup", 100),
-        )
-        .demo_delay(500)
-        .send(),
-        Duration::from_millis(150),
-    )
-    .await;
-    impatient.abort(); // drops the connection mid-request
-    assert!(impatient.await.unwrap_err().is_cancelled());
+    let impatient = paying(&http, &gw, &key, "o-hangup", 500).await;
+    hang_up(impatient).await;
 
     // Real time: the abandoned attempt finishes in the gateway (the demo answers at 500 ms).
     tokio::time::sleep(Duration::from_millis(700)).await;
@@ -220,18 +208,7 @@ async fn a_client_that_hangs_up_does_not_leave_the_claim_half_done() {
 async fn a_fenced_completion_is_counted_after_its_client_hung_up() {
     let (db, gw, http) = setup().await;
     let key = new_key();
-    let impatient = in_flight(
-        http.pay(
-            &gw.url("/payments"),
-            "acme",
-            &key,
-            &payment("o-fenced", 100),
-        )
-        .demo_delay(600)
-        .send(),
-        Duration::from_millis(200),
-    )
-    .await;
+    let impatient = paying(&http, &gw, &key, "o-fenced", 600).await;
     let mut conn = db.connect().await;
     let taken = sqlx::query(
         "UPDATE idempotency_keys SET attempt = gen_random_uuid() \
@@ -242,8 +219,7 @@ async fn a_fenced_completion_is_counted_after_its_client_hung_up() {
     .await
     .unwrap();
     assert_eq!(taken.rows_affected(), 1, "the claim is in the ledger");
-    impatient.abort(); // the client is gone before the upstream answers
-    assert!(impatient.await.unwrap_err().is_cancelled());
+    hang_up(impatient).await; // the client is gone before the upstream answers
 
     // Real time: the demo answers at 600 ms, then the completion is fenced out.
     let fenced = || async {
@@ -259,6 +235,28 @@ async fn a_fenced_completion_is_counted_after_its_client_hung_up() {
     }
     assert_eq!(fenced().await, Some(1.0));
     assert_eq!(db.executions("demo_payments", "acme", &key).await, 1);
+}
+
+/// A payment of `order` under `key` through `gw`, its upstream answering after
+/// `demo_delay` ms; returned once the request had 150 ms to reach the gateway.
+async fn paying(
+    http: &Http,
+    gw: &Gateway,
+    key: &str,
+    order: &str,
+    demo_delay: u64,
+) -> tokio::task::JoinHandle<Answer> {
+    let send = http
+        .pay(&gw.url("/payments"), "acme", key, &payment(order, 100))
+        .demo_delay(demo_delay)
+        .send();
+    in_flight(send, Duration::from_millis(150)).await
+}
+
+/// Drops a request's connection mid-request.
+async fn hang_up(request: tokio::task::JoinHandle<Answer>) {
+    request.abort();
+    assert!(request.await.unwrap_err().is_cancelled());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
