@@ -402,7 +402,7 @@ impl Ledger for PgLedger {
         response: &StoredResponse,
         ttl: Duration,
     ) -> Result<Fence, LedgerError> {
-        crate::failpoint::stop_here("stop-before-complete");
+        idem_telemetry::failpoint::stop_here("stop-before-complete");
         let row = CompleteRow {
             scope: scope.clone(),
             attempt: attempt.0,

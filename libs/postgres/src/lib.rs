@@ -11,7 +11,6 @@
 //! - [`connect`] and [`migrate`]: the pool and the embedded migrations of `migrations/`.
 #![forbid(unsafe_code)]
 
-mod failpoint;
 pub mod group;
 pub mod headers;
 pub mod ledger;

@@ -11,11 +11,13 @@
 //!   `GET /metrics`.
 //!
 //! # Layout
+//! - [`failpoint`]: debug-build stops for the fault tests.
 //! - [`propagation`]: W3C trace context in and out of HTTP headers, span links.
 //! - [`process`]: a service's `main`: runtime, telemetry, flush, stop signals.
 //! - [`metrics`] re-exports the `metrics` macros used across the workspace.
 #![forbid(unsafe_code)]
 
+pub mod failpoint;
 pub mod process;
 pub mod propagation;
 

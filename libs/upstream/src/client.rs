@@ -22,7 +22,7 @@ use tracing::Instrument;
 
 use crate::error_chain;
 
-pub type HttpClient = Client<HttpConnector, Full<Bytes>>;
+pub type HttpClient = Client<HttpConnector, Deadlined>;
 
 /// How long connecting may take. A connect that fails sent nothing, so the key is
 /// released; this bounds how long that takes.
@@ -83,6 +83,10 @@ pub enum NotSent {
     Uri(#[source] http::Error),
     #[error("{}", error_chain(.0))]
     Connect(#[source] hyper_util::client::legacy::Error),
+    /// The process stalled before the request left, until past its deadline (and so,
+    /// for the gateway, past its lease): [`Deadlined`] refused to send it.
+    #[error("the request could not leave within {0:?}, so it was not sent")]
+    Late(Duration),
 }
 
 /// Why a request that may have reached the upstream has no complete answer.
@@ -128,10 +132,17 @@ async fn exchange(
     timeout: Duration,
     max_body: usize,
 ) -> Forwarded {
+    let deadline = Instant::now() + timeout;
+    let request = request.map(|body| Deadlined::new(body, deadline));
     let exchange = async {
+        idem_telemetry::failpoint::stop_here("stop-before-send");
+        if Instant::now() >= deadline {
+            return Forwarded::NotSent(NotSent::Late(timeout));
+        }
         let response = match client.request(request).await {
             Ok(response) => response,
             Err(e) if e.is_connect() => return Forwarded::NotSent(NotSent::Connect(e)),
+            Err(e) if refused_late(&e) => return Forwarded::NotSent(NotSent::Late(timeout)),
             Err(e) => return Forwarded::Unknown(Unknown::Request(e)),
         };
         let (parts, body) = response.into_parts();
@@ -148,6 +159,77 @@ async fn exchange(
         Ok(forwarded) => forwarded,
         Err(_) => Forwarded::Unknown(Unknown::Timeout(timeout)),
     }
+}
+
+/// A request body that will not leave after its deadline.
+///
+/// A process can stall anywhere (a paused VM, a starved node): after the lease check and
+/// before the request's bytes leave, the request may wait in the pool's hands until the
+/// lease is over, and by then the reconciler may have released the key and a retry
+/// executed it. The connection asks for the body only when it writes the request, so
+/// refusing it there, unsent, keeps a late request from ever reaching the upstream.
+/// Only the first frame is checked: once the body has started to leave, it leaves whole.
+/// (An empty body is never asked for, so only a request with a body is covered.)
+#[derive(Debug)]
+pub struct Deadlined {
+    body: Full<Bytes>,
+    deadline: Instant,
+    started: bool,
+}
+
+impl Deadlined {
+    pub fn new(body: Full<Bytes>, deadline: Instant) -> Self {
+        Self {
+            body,
+            deadline,
+            started: false,
+        }
+    }
+}
+
+/// [`Deadlined`]'s refusal.
+#[derive(Debug, thiserror::Error)]
+#[error("the request body's deadline passed before it was sent")]
+pub struct Late;
+
+impl Body for Deadlined {
+    type Data = Bytes;
+    type Error = Late;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Late>>> {
+        if !self.started {
+            if Instant::now() >= self.deadline {
+                return Poll::Ready(Some(Err(Late)));
+            }
+            self.started = true;
+        }
+        Pin::new(&mut self.body)
+            .poll_frame(cx)
+            .map_err(|never| match never {})
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.body.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.body.size_hint()
+    }
+}
+
+/// Whether the client's error is [`Deadlined`] refusing a late body.
+fn refused_late(error: &hyper_util::client::legacy::Error) -> bool {
+    let mut cause: Option<&(dyn std::error::Error + 'static)> = Some(error);
+    while let Some(e) = cause {
+        if e.is::<Late>() {
+            return true;
+        }
+        cause = e.source();
+    }
+    false
 }
 
 /// Reads `body` in full if it fits in `max` bytes, else starts streaming it.
@@ -255,5 +337,52 @@ impl Body for Streaming {
             hint.set_upper(upper + head);
         }
         hint
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::io::Read;
+
+    use super::*;
+
+    fn payment() -> Full<Bytes> {
+        Full::new(Bytes::from_static(br#"{"amountUah": 100}"#))
+    }
+
+    /// A body asked for past its deadline is refused, and none of it reaches the server.
+    #[tokio::test]
+    async fn a_late_body_is_refused_unsent() {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let server = std::thread::spawn(move || {
+            let (mut socket, _) = listener.accept().unwrap();
+            socket
+                .set_read_timeout(Some(Duration::from_millis(500)))
+                .unwrap();
+            let mut got = Vec::new();
+            let _ = socket.read_to_end(&mut got); // closed, or quiet for 500 ms
+            got
+        });
+        let request = Request::post(format!("http://{addr}/payments"))
+            .body(Deadlined::new(payment(), Instant::now()))
+            .unwrap();
+        let error = pooled_client().request(request).await.unwrap_err();
+        assert!(refused_late(&error), "{error:?}");
+        let got = String::from_utf8_lossy(&server.join().unwrap()).into_owned();
+        assert!(!got.contains("amountUah"), "the body left: {got:?}");
+    }
+
+    /// Once a body has started to leave, its deadline no longer matters.
+    #[tokio::test]
+    async fn a_body_asked_for_in_time_leaves_whole() {
+        let mut body = Deadlined::new(payment(), Instant::now() + Duration::from_millis(50));
+        let first = body.frame().await.unwrap().unwrap();
+        assert_eq!(
+            first.into_data().unwrap(),
+            payment().collect().await.unwrap().to_bytes()
+        );
+        tokio::time::sleep(Duration::from_millis(60)).await;
+        assert!(body.frame().await.is_none(), "the end, not a refusal");
     }
 }

@@ -11,7 +11,8 @@ pub mod client;
 pub mod headers;
 
 pub use client::{
-    Forwarded, HttpClient, NotSent, ResponseBody, Unknown, UpstreamResponse, forward, pooled_client,
+    Deadlined, Forwarded, HttpClient, Late, NotSent, ResponseBody, Unknown, UpstreamResponse,
+    forward, pooled_client,
 };
 
 /// An error and its sources, `: `-separated, for a log line or a message. hyper's

@@ -210,6 +210,78 @@ async fn a_paused_gateways_late_completion_is_fenced_out() {
     assert_eq!(db.executions("demo_payments", "acme", &key).await, 1);
 }
 
+/// A gateway that stalls after its lease check and before its request leaves (a
+/// failpoint stops it there; in production a paused VM, a starved node) must not send the
+/// request once its lease is over: by then the reconciler may have released the key on
+/// two 404s and a retry executed it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gateway_stalled_before_sending_sends_nothing_after_its_lease() {
+    let db = TestDb::create().await;
+    let demo = Demo::start(&db).await;
+    let cfg = leased(&db, &demo.url(), "900ms", Route::probed)
+        .set("reconciler.release_confirm", "1s")
+        .toml();
+    let failpoints = std::env::temp_dir().join(format!("idemgate-failpoints-{}", new_key()));
+    std::fs::create_dir_all(&failpoints).unwrap();
+    let dir = failpoints.to_str().unwrap();
+    let stalled = GatewayProcess::start_with_env(&cfg, &[("IDEMGATE_FAILPOINTS", dir)]).await;
+    let http = Http::default();
+    // One payment first, so that the stalled request finds a pooled connection ready.
+    let warm = http
+        .pay(
+            &stalled.url("/payments"),
+            "acme",
+            &new_key(),
+            &payment("o-warm", 1),
+        )
+        .send()
+        .await;
+    assert_eq!(warm.status, StatusCode::CREATED);
+    std::fs::write(failpoints.join("stop-before-send"), "").unwrap();
+    let key = new_key();
+    let first = tokio::spawn(
+        http.pay(
+            &stalled.url("/payments"),
+            "acme",
+            &key,
+            &payment("o-stall", 1),
+        )
+        .try_send(),
+    );
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    while failpoints.join("stop-before-send").exists() && tokio::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(row(&db, &key).await.is_some(), "claimed, then stalled");
+
+    past_lease().await;
+    pass_reporting(&cfg, &["not_found=1"]).await;
+    // Real time: release_confirm is judged by Postgres's clock.
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    pass_reporting(&cfg, &["released=1"]).await;
+    let gw = GatewayProcess::start(&cfg).await;
+    let retry = http
+        .pay(&gw.url("/payments"), "acme", &key, &payment("o-stall", 1))
+        .send()
+        .await;
+    assert_eq!(retry.status, StatusCode::CREATED);
+
+    signal(stalled.pid(), "CONT");
+    let late = tokio::time::timeout(Duration::from_secs(5), first).await;
+    let late = late
+        .expect("the stalled gateway answers once resumed")
+        .unwrap();
+    // Real time: whatever the resumed gateway sends, the demo has it by now.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(db.executions("demo_payments", "acme", &key).await, 1);
+    assert_eq!(
+        late.map(|a| a.status),
+        Ok(StatusCode::BAD_GATEWAY),
+        "the late attempt is told its request was not sent"
+    );
+    std::fs::remove_dir_all(&failpoints).unwrap();
+}
+
 /// An upstream that records every request path and answers 404.
 async fn recording_upstream() -> (String, Arc<Mutex<Vec<String>>>) {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();

@@ -1,14 +1,16 @@
-//! Failpoints for the fault-injection suite (`loadtest/chaos`), in debug builds only.
+//! Failpoints for the fault-injection suite (`loadtest/chaos`) and the tests that stall
+//! a process, in debug builds only.
 //!
 //! A pause at a random moment almost never lands between the upstream's answer and
-//! the completion write, so the fence that keeps a late completion out is never put to
-//! the test from outside. With `IDEMGATE_FAILPOINTS=DIR` set, a file `DIR/NAME` arms
+//! the completion write (`stop-before-complete`), or between the lease check and the
+//! request leaving for the upstream (`stop-before-send`), so the fences there are never
+//! put to the test from outside. With `IDEMGATE_FAILPOINTS=DIR` set, a file `DIR/NAME` arms
 //! the failpoint `NAME` once: the next time the process passes it, it removes the file
 //! and stops itself (`SIGSTOP`) until someone sends `SIGCONT`.
 
 /// Stops the process here if the failpoint `name` is armed.
 #[cfg(debug_assertions)]
-pub(crate) fn stop_here(name: &str) {
+pub fn stop_here(name: &str) {
     use std::path::PathBuf;
     use std::sync::OnceLock;
 
@@ -32,4 +34,4 @@ pub(crate) fn stop_here(name: &str) {
 }
 
 #[cfg(not(debug_assertions))]
-pub(crate) fn stop_here(_: &str) {}
+pub fn stop_here(_: &str) {}
