@@ -24,14 +24,26 @@ pub fn stop_here(name: &str) {
             failpoint = name,
             "failpoint: stopping this process until SIGCONT"
         );
-        // `kill` returns once the signal is sent: every thread of ours stops before
-        // this one goes on.
-        let _ = std::process::Command::new("kill")
-            .arg("-STOP")
+        // A stop sent to a process reaches its threads in no set order: a thread that
+        // only sent it could run on (and send its request) before the stop reaches it.
+        // So a child sends it and stays until this process is continued, and this thread
+        // waits for the child.
+        let _ = std::process::Command::new("sh")
+            .arg("-c")
+            .arg(STOP_UNTIL_CONTINUED)
+            .arg("failpoint")
             .arg(std::process::id().to_string())
             .status();
     }
 }
+
+/// `sh -c` script: stop process `$1`, wait (up to 5 s) until it has stopped, then until
+/// it is continued or gone.
+#[cfg(debug_assertions)]
+const STOP_UNTIL_CONTINUED: &str = r#"kill -STOP "$1" || exit 1
+stopped() { grep -q '^State:[[:space:]]*T' "/proc/$1/status"; }
+i=0; until stopped "$1" || [ "$i" -ge 250 ]; do i=$((i + 1)); sleep 0.02; done
+while stopped "$1"; do sleep 0.05; done"#;
 
 #[cfg(not(debug_assertions))]
 pub fn stop_here(_: &str) {}
