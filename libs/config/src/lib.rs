@@ -136,6 +136,17 @@ impl RawConfig {
                 )
                 .into());
             }
+            if route.idempotent && route.max_response_bytes > self.server.max_replay_bytes_in_flight
+            {
+                return Err(ConfigError::new(
+                    format!("routes[{i}].max_response_bytes"),
+                    format!(
+                        "{} is more than server.max_replay_bytes_in_flight ({}): a stored answer this large could never be replayed",
+                        route.max_response_bytes, self.server.max_replay_bytes_in_flight
+                    ),
+                )
+                .into());
+            }
             routes.push(route);
         }
         Ok(Config {

@@ -11,6 +11,7 @@
 //! | `release_on` | `[408, 425, 429]` | upstream statuses that release the key |
 //! | `store_set_cookie` | `false` | store and replay `Set-Cookie` |
 //! | `probe` | (none) | `"GET /payments/by-key/{key}"`: the reconciler's status probe |
+//! | `probe_status` | (the probe's) | `201`: the status stored when the probe finds the operation (what the first client would have seen) |
 //! | `on_unknown` | `"hold"` | or `"release-after:10m"`: what the reconciler does without a probe |
 //! | `max_response_bytes` | `10485760` | larger responses are not stored; retries get 410 |
 
@@ -47,6 +48,8 @@ pub struct Route {
     /// Whether `Set-Cookie` is stored and replayed.
     pub store_set_cookie: bool,
     pub probe: Option<Probe>,
+    /// The status stored for an operation the probe found; `None`: the probe's own.
+    pub probe_status: Option<u16>,
     pub on_unknown: OnUnknown,
 }
 
@@ -109,6 +112,45 @@ impl RouteTable {
             .map(AsRef::as_ref)
             .find(|r| r.endpoint == endpoint)
     }
+
+    /// The idempotent route that would take over requests stored under `stored` with a
+    /// different spelling: the same method and path shape, another endpoint name (a path
+    /// parameter renamed, `{id}` → `{order_id}`). Keys are scoped by the endpoint's
+    /// spelling, so serving such a route would forget every key stored under the old
+    /// one and execute its retries again.
+    pub fn renaming(&self, stored: &str) -> Option<&Route> {
+        let (method, path) = stored.split_once(' ')?;
+        let template = PathTemplate::parse(path).ok()?;
+        self.routes.iter().map(AsRef::as_ref).find(|r| {
+            r.idempotent
+                && r.endpoint != stored
+                && r.method.as_str() == method
+                && r.template.same_shape(&template)
+        })
+    }
+
+    /// Every stored endpoint a route renames, as a refusal naming both spellings.
+    pub fn check_renames<'a>(
+        &self,
+        stored: impl IntoIterator<Item = &'a str>,
+    ) -> Result<(), String> {
+        let clashes: Vec<String> = stored
+            .into_iter()
+            .filter_map(|old| {
+                self.renaming(old)
+                    .map(|route| format!("{:?} (stored) is now {:?}", old, route.endpoint))
+            })
+            .collect();
+        if clashes.is_empty() {
+            return Ok(());
+        }
+        Err(format!(
+            "the ledger holds keys under an endpoint a route now spells differently: {}. \
+             Keys are scoped by the endpoint as written, so retries of those keys would \
+             execute again. Keep the old spelling until its keys have expired and been purged.",
+            clashes.join("; ")
+        ))
+    }
 }
 
 /// One `[[routes]]` entry as written.
@@ -136,6 +178,7 @@ pub(crate) struct RawRoute {
     #[serde(default)]
     store_set_cookie: bool,
     probe: Option<Probe>,
+    probe_status: Option<u16>,
     #[serde(default)]
     on_unknown: OnUnknown,
     #[serde(default = "default_max_response_bytes")]
@@ -177,6 +220,21 @@ impl RawRoute {
                 self.max_response_bytes == 0,
             ),
         ])?;
+        match (self.probe_status, &self.probe) {
+            (Some(_), None) => {
+                return Err(ConfigError::new(
+                    format!("{at}.probe_status"),
+                    "is the status stored when the probe finds the operation: set `probe` too",
+                ));
+            }
+            (Some(status), Some(_)) if !(200..=299).contains(&status) => {
+                return Err(ConfigError::new(
+                    format!("{at}.probe_status"),
+                    "must be a 2xx status (what the first client would have seen on success)",
+                ));
+            }
+            _ => {}
+        }
         let base = defaults.policy();
         let policy = Policy {
             ttl: self.ttl.unwrap_or(base.ttl),
@@ -212,6 +270,7 @@ impl RawRoute {
             mismatch_status,
             store_set_cookie: self.store_set_cookie,
             probe: self.probe,
+            probe_status: self.probe_status,
             on_unknown: self.on_unknown,
         })
     }

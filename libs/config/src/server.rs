@@ -10,6 +10,8 @@
 //! | `server.header_read_timeout` | `10s` | a request head must arrive within this (slowloris) |
 //! | `server.body_read_timeout` | `30s` | a request body must arrive within this (408) |
 //! | `server.max_concurrent_requests` | `1024` | requests in flight; beyond, 503 `overloaded` |
+//! | `server.response_write_timeout` | `30s` | a client that takes longer to accept a write of its answer is cut off |
+//! | `server.max_replay_bytes_in_flight` | `268435456` | stored bodies held for answers in flight, all requests together; beyond, 503 `overloaded` |
 
 use std::net::SocketAddr;
 use std::time::Duration;
@@ -43,6 +45,14 @@ pub struct ServerConfig {
     /// Requests in flight beyond this get 503 `overloaded` at once (health and metrics
     /// endpoints are not counted and always answer).
     pub max_concurrent_requests: usize,
+    /// A connection whose client accepts none of a pending write of its answer for
+    /// this long is closed (a client that asks and never reads holds no memory for long).
+    #[serde(with = "humantime_serde")]
+    pub response_write_timeout: Duration,
+    /// Stored bodies held in memory for replays being read back from Postgres or sent,
+    /// all requests together (concurrent retries of one key share one copy); a replay
+    /// that would go past it gets 503 `overloaded`.
+    pub max_replay_bytes_in_flight: usize,
 }
 
 impl Default for ServerConfig {
@@ -57,6 +67,8 @@ impl Default for ServerConfig {
             header_read_timeout: Duration::from_secs(10),
             body_read_timeout: Duration::from_secs(30),
             max_concurrent_requests: 1024,
+            response_write_timeout: Duration::from_secs(30),
+            max_replay_bytes_in_flight: 256 * 1024 * 1024,
         }
     }
 }
@@ -75,6 +87,14 @@ impl ServerConfig {
             (
                 "server.max_concurrent_requests",
                 self.max_concurrent_requests == 0,
+            ),
+            (
+                "server.response_write_timeout",
+                self.response_write_timeout.is_zero(),
+            ),
+            (
+                "server.max_replay_bytes_in_flight",
+                self.max_replay_bytes_in_flight == 0,
             ),
         ])?;
         if self.max_header_bytes < 1024 {

@@ -85,6 +85,8 @@ fn the_limits_have_their_documented_defaults_and_bad_values_are_named() {
     );
     assert_eq!(server.header_read_timeout, Duration::from_secs(10));
     assert_eq!(server.body_read_timeout, Duration::from_secs(30));
+    assert_eq!(server.response_write_timeout, Duration::from_secs(30));
+    assert_eq!(server.max_replay_bytes_in_flight, 256 << 20);
     assert_eq!(config.redis.unwrap().local_cache_bytes, 64 << 20);
     assert_eq!(config.routes.routes()[0].max_response_bytes, 10 << 20);
     for (bad, key) in [
@@ -109,6 +111,14 @@ fn the_limits_have_their_documented_defaults_and_bad_values_are_named() {
             "[server]\nmax_concurrent_requests = -1",
             "server.max_concurrent_requests",
         ),
+        (
+            "[server]\nresponse_write_timeout = \"0s\"",
+            "server.response_write_timeout",
+        ),
+        (
+            "[server]\nmax_replay_bytes_in_flight = 0",
+            "server.max_replay_bytes_in_flight",
+        ),
     ] {
         assert_eq!(error_key(bad), key, "{bad}");
     }
@@ -119,6 +129,62 @@ fn the_limits_have_their_documented_defaults_and_bad_values_are_named() {
     assert_eq!(
         error_key("[redis]\nurl = \"redis://a\"\nlocal_cache_bytes = 0"),
         "redis.local_cache_bytes"
+    );
+    // A stored answer the replay budget could never hold is refused up front.
+    assert_eq!(
+        error_key(&format!(
+            "[server]\nmax_replay_bytes_in_flight = 1048576\n{ROUTE}\nmax_response_bytes = 2097152"
+        )),
+        "routes[0].max_response_bytes"
+    );
+}
+
+#[test]
+fn probe_status_needs_a_probe_and_a_2xx() {
+    const PROBE: &str = "probe = \"GET /payments/by-key/{key}\"";
+    let config = with(&format!("{ROUTE}\n{PROBE}\nprobe_status = 201")).unwrap();
+    assert_eq!(config.routes.routes()[0].probe_status, Some(201));
+    assert_eq!(with(ROUTE).unwrap().routes.routes()[0].probe_status, None);
+    assert_eq!(
+        error_key(&format!("{ROUTE}\nprobe_status = 201")),
+        "routes[0].probe_status"
+    );
+    assert_eq!(
+        error_key(&format!("{ROUTE}\n{PROBE}\nprobe_status = 404")),
+        "routes[0].probe_status"
+    );
+}
+
+#[test]
+fn a_renamed_path_parameter_is_refused_against_stored_endpoints() {
+    let config = with(
+        r#"
+        [[routes]]
+        method = "POST"
+        path = "/orders/{order_id}/refunds"
+        upstream = "http://127.0.0.1:9090"
+        idempotent = true
+        "#,
+    )
+    .unwrap();
+    let routes = &config.routes;
+    assert!(
+        routes
+            .check_renames(["POST /orders/{order_id}/refunds"])
+            .is_ok()
+    );
+    assert!(
+        routes
+            .check_renames(["GET /orders/{id}/refunds", "POST /payments"])
+            .is_ok()
+    );
+    let refusal = routes
+        .check_renames(["POST /orders/{id}/refunds"])
+        .unwrap_err();
+    assert!(
+        refusal.contains("POST /orders/{id}/refunds")
+            && refusal.contains("POST /orders/{order_id}/refunds"),
+        "{refusal}"
     );
 }
 
