@@ -12,6 +12,7 @@ use std::pin::pin;
 use std::time::Duration;
 
 use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
 
 use crate::fingerprint::Fingerprint;
 use crate::policy::{Disposition, Policy};
@@ -22,13 +23,20 @@ use crate::record::{AttemptId, Record, RecordState, StoredResponse};
 use crate::scope::Scope;
 
 /// The attempt that won the claim, as handed to the upstream call.
+///
+/// Its lease is measured from before the claim was sent, so it never ends later than the
+/// ledger's. The whole attempt fits in it: the claim, the upstream call until
+/// `deadline`, and a completion, which may take one ledger op (`Ledger::op_timeout`) —
+/// so the reconciler, which acts only once the ledger's lease is over, never finds an
+/// attempt still running.
 #[derive(Debug, Clone, Copy)]
 pub struct Attempt {
     pub id: AttemptId,
-    /// When this attempt's lease runs out (measured from before the claim was sent, so
-    /// never later than the ledger's). The upstream call must be over by then: past it
-    /// the reconciler may act on the row, so a call that would start later must not.
+    /// When the upstream call must be over (and a call not yet sent must not be): the
+    /// lease's end less one ledger op, kept for recording the answer.
     pub deadline: Instant,
+    /// When the lease runs out.
+    pub lease_end: Instant,
 }
 
 /// What the upstream call did.
@@ -56,6 +64,10 @@ pub struct Request<'a> {
     pub wait: Option<Duration>,
     /// This request's W3C `traceparent`, stored with the claim.
     pub trace_context: Option<&'a str>,
+    /// Cancelled when nobody waits for the answer any more (the client hung up): a wait
+    /// for another attempt stops. What this request started (its execution, its
+    /// completion) still runs to its end.
+    pub gone: Option<&'a CancellationToken>,
 }
 
 /// Why an operation's outcome is unknown.
@@ -220,7 +232,7 @@ impl<L: Ledger, C: Cache> Engine<L, C> {
                 });
             }
             CacheLookup::Acquired => locked = true,
-            CacheLookup::Locked { .. } | CacheLookup::Unavailable => {}
+            CacheLookup::InLedger | CacheLookup::Locked { .. } | CacheLookup::Unavailable => {}
         }
 
         let deadline = req.wait.map(|w| Instant::now() + w);
@@ -240,7 +252,7 @@ impl<L: Ledger, C: Cache> Engine<L, C> {
             if !matches!(claimed, Ok(ClaimResult::Claimed)) && std::mem::take(&mut locked) {
                 self.cache.unlock(req.scope, attempt).await;
             }
-            if claimed.is_err() {
+            if claimed.as_ref().is_err_and(|e| !e.is_busy()) {
                 // The claim may have committed with only its reply lost. Nothing was
                 // executed, and the attempt token is this request's alone: free the row
                 // if it is ours, so the key is not held for a request that never ran.
@@ -249,15 +261,20 @@ impl<L: Ledger, C: Cache> Engine<L, C> {
             let record = match claimed? {
                 ClaimResult::Claimed => {
                     let execute = execute.take().expect("executed at most once");
+                    let lease_end = claim_sent + req.policy.lease;
                     let attempt = Attempt {
                         id: attempt,
-                        deadline: claim_sent + req.policy.lease,
+                        deadline: lease_end
+                            .checked_sub(self.ledger.op_timeout())
+                            .unwrap_or(claim_sent)
+                            .max(claim_sent),
+                        lease_end,
                     };
                     return Ok(self.execute(req, attempt, execute).await);
                 }
                 ClaimResult::Existing(record) => record,
             };
-            let record = match self.answer_existing(req, record, waited).await {
+            let record = match self.answer_existing(req, record, claim_sent, waited).await {
                 Existing::Answered(outcome) => return Ok(outcome),
                 Existing::Running(record) => record,
             };
@@ -265,11 +282,13 @@ impl<L: Ledger, C: Cache> Engine<L, C> {
                 return Ok(in_progress(&record, waited));
             };
             waited = true;
-            match self.wait(req, deadline).await? {
-                Waited::Current(record) => match self.answer_existing(req, record, true).await {
-                    Existing::Answered(outcome) => return Ok(outcome),
-                    Existing::Running(record) => return Ok(in_progress(&record, true)),
-                },
+            match self.wait(req, deadline, record).await? {
+                Waited::Current(record, read) => {
+                    match self.answer_existing(req, record, read, true).await {
+                        Existing::Answered(outcome) => return Ok(outcome),
+                        Existing::Running(record) => return Ok(in_progress(&record, true)),
+                    }
+                }
                 // The first attempt released the key: claim it again.
                 Waited::Released => continue,
             }
@@ -282,14 +301,16 @@ impl<L: Ledger, C: Cache> Engine<L, C> {
         })
     }
 
-    /// Decides what an existing record means for this request.
+    /// Decides what an existing record means for this request. `read` is when the
+    /// statement that read it was sent: the record's remaining life was measured by the
+    /// ledger no earlier than that.
     async fn answer_existing<R>(
         &self,
         req: Request<'_>,
         record: Record,
+        read: Instant,
         waited: bool,
     ) -> Existing<R> {
-        let read_at = Instant::now();
         if record.fingerprint != *req.fingerprint {
             return Existing::Answered(Outcome::Mismatch {
                 completed: matches!(record.state, RecordState::Completed(_)),
@@ -305,7 +326,7 @@ impl<L: Ledger, C: Cache> Engine<L, C> {
                 };
                 if let Some(left) = record.expires_in {
                     // Never let the cached copy outlive the row.
-                    let ttl = left.saturating_sub(read_at.elapsed());
+                    let ttl = left.saturating_sub(read.elapsed());
                     if !ttl.is_zero() {
                         self.cache.fill(req.scope, &entry, ttl).await;
                     }
@@ -321,24 +342,44 @@ impl<L: Ledger, C: Cache> Engine<L, C> {
     }
 
     /// Polls the ledger until the record leaves `in_progress` or the deadline passes,
-    /// woken early when the cache announces a change.
-    async fn wait(&self, req: Request<'_>, deadline: Instant) -> Result<Waited, LedgerError> {
+    /// woken early when the cache announces a change; stops at once (with the record as
+    /// last read) when the client is gone.
+    async fn wait(
+        &self,
+        req: Request<'_>,
+        deadline: Instant,
+        mut last: Box<Record>,
+    ) -> Result<Waited, LedgerError> {
         let mut interval = Duration::from_millis(10);
+        let mut read = Instant::now();
+        let gone = async {
+            match req.gone {
+                Some(gone) => gone.cancelled().await,
+                None => std::future::pending().await,
+            }
+        };
+        let mut gone = pin!(gone);
         loop {
             let left = deadline.saturating_duration_since(Instant::now());
             if !left.is_zero() {
                 let changed = pin!(self.cache.changed(req.scope));
-                let _ = tokio::time::timeout(interval.min(left), changed).await;
+                tokio::select! {
+                    biased;
+                    () = &mut gone => return Ok(Waited::Current(*last, read)),
+                    _ = tokio::time::timeout(interval.min(left), changed) => {}
+                }
                 interval = (interval * 2).min(MAX_POLL);
             }
+            read = Instant::now();
             match self.ledger.get(req.scope).await? {
                 None => return Ok(Waited::Released),
                 Some(record) if matches!(record.state, RecordState::InProgress { .. }) => {
                     if record.fingerprint != *req.fingerprint || Instant::now() >= deadline {
-                        return Ok(Waited::Current(record));
+                        return Ok(Waited::Current(record, read));
                     }
+                    *last = record;
                 }
-                Some(record) => return Ok(Waited::Current(record)),
+                Some(record) => return Ok(Waited::Current(record, read)),
             }
         }
     }
@@ -394,7 +435,10 @@ impl<L: Ledger, C: Cache> Engine<L, C> {
                 .await
             {
                 Ok(fence) => break (fence, committing),
-                Err(error) if Instant::now() + pause < attempt.deadline => {
+                // Repeated only while the repeat, too, would end within the lease.
+                Err(error)
+                    if Instant::now() + pause + self.ledger.op_timeout() <= attempt.lease_end =>
+                {
                     tracing::warn!(?scope, %error, retry_in = ?pause, "could not record the answer yet; repeating the completion within the lease");
                     tokio::time::sleep(pause).await;
                     pause = (pause * 2).min(MAX_COMPLETION_RETRY);
@@ -477,8 +521,9 @@ enum Existing<R> {
 
 /// How a wait for a running record ended.
 enum Waited {
-    /// The record as it stands: finished, or still running at the deadline.
-    Current(Record),
+    /// The record as it stands (and when the statement that read it was sent):
+    /// finished, or still running at the deadline or when the client left.
+    Current(Record, Instant),
     /// The record is gone: the first attempt gave the key up.
     Released,
 }

@@ -18,6 +18,25 @@ impl LedgerError {
     pub fn new(e: impl std::error::Error + Send + Sync + 'static) -> Self {
         Self(Box::new(e))
     }
+
+    /// The ledger turned the call away without writing anything, to bound its memory
+    /// ([`Busy`]): the request may simply be tried again.
+    pub fn busy(why: Busy) -> Self {
+        Self::new(why)
+    }
+
+    pub fn is_busy(&self) -> bool {
+        self.0.is::<Busy>()
+    }
+}
+
+/// A call the ledger refused before doing anything: answering it would hold more stored
+/// bodies in memory than it may (`server.max_replay_bytes_in_flight`).
+#[derive(Debug, Clone, thiserror::Error)]
+#[error("{needed} bytes of stored answers would be held beyond the {budget}-byte budget")]
+pub struct Busy {
+    pub needed: usize,
+    pub budget: usize,
 }
 
 /// A request for a claim.
@@ -51,6 +70,10 @@ pub enum Fence {
 /// The durable source of truth (Postgres). Only the ledger decides that an operation
 /// may execute.
 pub trait Ledger: Send + Sync {
+    /// The longest one call may take, its statement's run on the server included: an
+    /// attempt leaves this much of its lease for recording its result.
+    fn op_timeout(&self) -> std::time::Duration;
+
     /// Atomically claims the scope for `claim.attempt`, or returns the existing record.
     /// A completed record past its expiry behaves as absent: it is taken over by the
     /// claim. An in-progress record never expires.
@@ -103,6 +126,9 @@ pub struct CacheEntry {
 pub enum CacheLookup {
     /// A completed response is cached, for at most this much longer (when known).
     Completed(CacheEntry, Option<Duration>),
+    /// The operation is completed, but its answer is too large for the fast path: only
+    /// the ledger has it (no lock was taken).
+    InLedger,
     /// Another attempt took the in-progress lock `held_for` ago.
     Locked { held_for: Duration },
     /// The lock was taken for this attempt.

@@ -16,6 +16,14 @@ impl AttemptId {
     }
 }
 
+/// As it goes upstream in `Idempotency-Attempt` and as `keys show` prints it: the
+/// hyphenated UUID.
+impl std::fmt::Display for AttemptId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.0.hyphenated().fmt(f)
+    }
+}
+
 /// A response as stored and replayed: status, the headers worth keeping, and the body
 /// bytes exactly as the upstream sent them.
 #[derive(Debug, Clone, PartialEq, Eq)]

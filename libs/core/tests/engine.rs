@@ -23,6 +23,11 @@ struct MemLedger {
     /// The next claim commits, but its reply is lost.
     lose_claim_reply: Arc<AtomicBool>,
     claims: Arc<AtomicUsize>,
+    /// How long each claim and completion takes (a slow statement).
+    claim_takes: Arc<Mutex<Duration>>,
+    complete_takes: Arc<Mutex<Duration>>,
+    /// When each completion started.
+    completions_started: Arc<Mutex<Vec<tokio::time::Instant>>>,
 }
 
 #[derive(Debug)]
@@ -37,6 +42,8 @@ impl std::error::Error for Down {}
 impl Ledger for MemLedger {
     async fn claim(&self, c: &Claim<'_>) -> Result<ClaimResult, LedgerError> {
         self.claims.fetch_add(1, Ordering::SeqCst);
+        let takes = *self.claim_takes.lock().unwrap();
+        tokio::time::sleep(takes).await;
         let mut rows = self.rows.lock().unwrap();
         if let Some(existing) = rows.get(c.scope) {
             return Ok(ClaimResult::Existing(existing.clone()));
@@ -71,6 +78,12 @@ impl Ledger for MemLedger {
         _: Duration,
     ) -> Result<Fence, LedgerError> {
         self.completes.fetch_add(1, Ordering::SeqCst);
+        self.completions_started
+            .lock()
+            .unwrap()
+            .push(tokio::time::Instant::now());
+        let takes = *self.complete_takes.lock().unwrap();
+        tokio::time::sleep(takes).await;
         if self.fail_complete.load(Ordering::SeqCst)
             || self
                 .failing_completes
@@ -87,6 +100,10 @@ impl Ledger for MemLedger {
             }
             _ => Ok(Fence::Lost),
         }
+    }
+
+    fn op_timeout(&self) -> Duration {
+        OP_TIMEOUT
     }
 
     async fn release(&self, scope: &Scope, attempt: AttemptId) -> Result<Fence, LedgerError> {
@@ -119,6 +136,9 @@ impl Ledger for MemLedger {
         }
     }
 }
+
+/// The longest one call of the in-memory ledger may take, as it tells the engine.
+const OP_TIMEOUT: Duration = Duration::from_secs(1);
 
 fn policy() -> Policy {
     Policy {
@@ -184,6 +204,7 @@ async fn run_under<C: Cache>(
         policy,
         wait,
         trace_context: Some("00-trace-first"),
+        gone: None,
     };
     let outcome = engine
         .run(req, |_| async {
@@ -330,6 +351,7 @@ async fn a_claim_whose_reply_was_lost_is_released_not_held_for_good() {
         policy: &policy,
         wait: None,
         trace_context: None,
+        gone: None,
     };
     let failed = engine.run(req, |_| async { answered(201, "paid") }).await;
     assert!(failed.is_err(), "the client is told the ledger failed");
@@ -387,6 +409,7 @@ async fn a_lost_fence_changes_nothing() {
         policy: &policy,
         wait: None,
         trace_context: None,
+        gone: None,
     };
     let outcome = engine
         .run(req, |_| async {
@@ -510,6 +533,7 @@ async fn peek_answers_from_the_in_process_cache_only() {
         policy: &policy,
         wait: None,
         trace_context: None,
+        gone: None,
     };
     assert!(engine.peek::<u16>(req(&paid)).is_none(), "nothing held yet");
     let entry = CacheEntry {
@@ -542,6 +566,8 @@ async fn peek_answers_from_the_in_process_cache_only() {
 struct FakeCache {
     answer: Mutex<Option<FakeLookup>>,
     calls: Mutex<Vec<String>>,
+    /// The TTL of every `fill`.
+    fills: Mutex<Vec<Duration>>,
 }
 
 #[derive(Clone)]
@@ -582,8 +608,9 @@ impl Cache for FakeCache {
             FakeLookup::Unavailable => CacheLookup::Unavailable,
         }
     }
-    async fn fill(&self, _: &Scope, entry: &CacheEntry, _: Duration) {
+    async fn fill(&self, _: &Scope, entry: &CacheEntry, ttl: Duration) {
         self.note(format!("fill {}", entry.response.status));
+        self.fills.lock().unwrap().push(ttl);
     }
     async fn complete(&self, _: &Scope, attempt: AttemptId, entry: &CacheEntry, _: Duration) {
         self.note(format!("complete {} {}", attempt.0, entry.response.status));
@@ -690,6 +717,7 @@ async fn an_acquired_lock_is_handed_over_with_the_result_or_dropped() {
         policy: &policy,
         wait: None,
         trace_context: None,
+        gone: None,
     };
     engine
         .run(request, |_| async { answered(429, "slow down") })
@@ -731,4 +759,119 @@ async fn an_unavailable_cache_leaves_every_decision_to_the_ledger() {
     let (other, ran) = run(&engine, r#"{"a":2}"#, None, answered(201, "again")).await;
     assert!(!ran && matches!(other, Outcome::Mismatch { .. }));
     assert_eq!(engine.ledger().claims.load(Ordering::SeqCst), 3);
+}
+
+/// The whole attempt — claim, upstream call and completion — ends within its lease, so
+/// the reconciler never acts on a row whose completion is still running: the upstream
+/// gets what the lease leaves after one ledger call, and a failed completion is repeated
+/// only while a repeat would still end within the lease. (On 7fa843d the last repeat
+/// started 25 ms before the lease's end and ran a whole op timeout past it.)
+#[tokio::test(start_paused = true)]
+async fn every_completion_ends_within_the_lease() {
+    let ledger = MemLedger::default();
+    ledger.fail_complete.store(true, Ordering::SeqCst);
+    *ledger.complete_takes.lock().unwrap() = OP_TIMEOUT;
+    let engine = Engine::new(ledger.clone());
+    let lease = Duration::from_secs(3);
+    let policy = Policy { lease, ..policy() };
+    let (scope, fingerprint) = (scope(), fp("{}"));
+    let req = Request {
+        scope: &scope,
+        fingerprint: &fingerprint,
+        policy: &policy,
+        wait: None,
+        trace_context: None,
+        gone: None,
+    };
+    let started = tokio::time::Instant::now();
+    let deadline = Mutex::new(None);
+    let outcome = engine
+        .run(req, |attempt| {
+            *deadline.lock().unwrap() = Some(attempt.deadline);
+            async {
+                // The upstream answers after 900 ms.
+                tokio::time::sleep(Duration::from_millis(900)).await;
+                answered(201, "paid")
+            }
+        })
+        .await
+        .unwrap();
+    assert!(matches!(outcome, Outcome::Unknown(UnknownCause::Ledger)));
+    let deadline = deadline.lock().unwrap().expect("executed");
+    assert!(
+        deadline <= started + lease - OP_TIMEOUT,
+        "the upstream may run until {:?} of a {lease:?} lease",
+        deadline - started
+    );
+    let starts = ledger.completions_started.lock().unwrap().clone();
+    assert!(starts.len() >= 2, "repeated: {starts:?}");
+    for start in starts {
+        assert!(
+            start + OP_TIMEOUT <= started + lease,
+            "a completion ran until {:?} of a {lease:?} lease",
+            start + OP_TIMEOUT - started
+        );
+    }
+}
+
+/// A replay read from the ledger is cached for what is left of the row's life as the
+/// ledger measured it when the statement began, less everything since: never past the
+/// row. (On 7fa843d a claim statement that took 2 s left the cached copy 2 s longer than
+/// its row.)
+#[tokio::test(start_paused = true)]
+async fn a_replay_cached_from_the_ledger_never_outlives_its_row() {
+    let ledger = MemLedger::default();
+    let cache = FakeCache::answering(FakeLookup::Unavailable);
+    let engine = Engine::with_cache(ledger.clone(), cache);
+    run(&engine, "{}", None, answered(201, "paid")).await;
+    // The row lives 10 s more, as the ledger sees it when a statement starts; the next
+    // claim statement takes 2 s.
+    for row in ledger.rows.lock().unwrap().values_mut() {
+        row.expires_in = Some(Duration::from_secs(10));
+    }
+    *ledger.claim_takes.lock().unwrap() = Duration::from_secs(2);
+    let (outcome, _) = run(&engine, "{}", None, answered(201, "again")).await;
+    assert!(matches!(outcome, Outcome::Replayed { .. }));
+    let fills = engine.cache().fills.lock().unwrap().clone();
+    assert_eq!(fills.len(), 1);
+    assert!(
+        fills[0] <= Duration::from_secs(8),
+        "cached for {:?} of a row with 8 s left",
+        fills[0]
+    );
+}
+
+/// A retry waiting for another attempt stops as soon as its client is gone: it holds
+/// its slot and polls the ledger for nobody otherwise.
+#[tokio::test(start_paused = true)]
+async fn a_waiter_whose_client_left_stops_waiting() {
+    let ledger = MemLedger::default();
+    let engine = Engine::new(ledger.clone());
+    run(&engine, "{}", None, Execution::Unknown).await;
+    let (scope, fingerprint, policy) = (scope(), fp("{}"), policy());
+    let gone = tokio_util::sync::CancellationToken::new();
+    let req = Request {
+        scope: &scope,
+        fingerprint: &fingerprint,
+        policy: &policy,
+        wait: Some(Duration::from_secs(2)),
+        trace_context: None,
+        gone: Some(&gone),
+    };
+    let started = tokio::time::Instant::now();
+    let leaving = gone.clone();
+    tokio::spawn(async move {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        leaving.cancel();
+    });
+    let outcome = engine
+        .run(req, |_| async { answered(201, "never") })
+        .await
+        .unwrap();
+    assert!(matches!(outcome, Outcome::InProgress { .. }), "{outcome:?}");
+    assert!(
+        started.elapsed() < Duration::from_millis(100),
+        "waited {:?} for a client that left at 50 ms",
+        started.elapsed()
+    );
 }

@@ -122,6 +122,10 @@ fn lost<T>(lose: bool, value: T) -> Result<T, LedgerError> {
 struct Ledger_(Arc<World>);
 
 impl Ledger for Ledger_ {
+    fn op_timeout(&self) -> Duration {
+        Duration::ZERO
+    }
+
     async fn claim(&self, c: &Claim<'_>) -> Result<ClaimResult, LedgerError> {
         let lose = step().await?;
         let mut rows = self.0.rows.lock().unwrap();
@@ -403,6 +407,7 @@ impl Harness {
             policy: &self.policy,
             wait: s.wait.then_some(Duration::from_secs(2)),
             trace_context: None,
+            gone: None,
         };
         let plan = Arc::new(Plan {
             fault: s.fault,

@@ -21,21 +21,29 @@
 //! - nothing is answered before the statement, and so its commit, has returned;
 //! - a statement refused by Postgres (one row's fault fails them all) is retried row by
 //!   row, so only that row's request gets the error; a statement lost with its
-//!   connection or its deadline fails every request in it, each with its own error, and
-//!   each request's deadline is its own: one queued past it is answered without being
-//!   sent.
+//!   connection fails every request in it, each with its own error;
+//! - each request's deadline is its own: one queued past it (or too close to it) is
+//!   answered without being sent, and one whose statement is still running at its
+//!   deadline is answered then — but the statement is not abandoned with it. It runs
+//!   on (Postgres bounds it by `statement_timeout`), and what it did for the requests
+//!   that stopped waiting is undone once it returns ([`Batch::abandoned`]: a claim whose
+//!   request gave up is released, whatever the statement did and whenever it commits).
+//!   A statement that has not returned an op timeout after its last request's deadline
+//!   is given up: its connection is closed, never pooled again, and its rows are undone
+//!   then and once more an op timeout later, when nothing it started can still commit.
 
 use std::collections::{HashSet, VecDeque};
+use std::pin::pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use idem_core::{LedgerError, Scope};
 use idem_telemetry::metrics;
-use sqlx::PgPool;
+use sqlx::pool::PoolConnection;
+use sqlx::{PgConnection, PgPool, Postgres};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc, oneshot};
 use tokio::time::Instant;
-use tokio::time::error::Elapsed;
 
 /// Rows in one statement at most.
 pub const MAX_ROWS: usize = 64;
@@ -46,10 +54,14 @@ pub const MAX_BYTES: usize = 1 << 20;
 /// A statement running longer than this lets the next one start beside it.
 pub const SLOW: Duration = Duration::from_millis(20);
 
+/// A job is sent only with at least this much of its op timeout left: less is no
+/// budget for a round trip, let alone a commit.
+pub const MIN_BUDGET: Duration = Duration::from_millis(10);
+
 /// One kind of row written in groups.
 pub trait Batch: Send + Sync + 'static {
     type Row: Send + Sync + 'static;
-    type Outcome: Send + 'static;
+    type Outcome: Send + Sync + 'static;
     /// For metrics and errors: `claim`, `complete`.
     const OPERATION: &'static str;
     /// Whether a row whose request stopped waiting is left out (a claim nobody will
@@ -65,19 +77,53 @@ pub trait Batch: Send + Sync + 'static {
         0
     }
 
+    /// Whether the connection is closed after writing these rows (rather than pooled).
+    fn close_after(_rows: &[&Self::Row]) -> bool {
+        false
+    }
+
     /// Writes `rows` (in scope order, each scope once) as one statement; one outcome
     /// per row, in order.
     fn write(
-        pool: &PgPool,
+        conn: &mut PgConnection,
         rows: &[&Self::Row],
     ) -> impl Future<Output = Result<Vec<Self::Outcome>, sqlx::Error>> + Send;
+
+    /// Undoes, where it matters, what a statement did for rows whose requests stopped
+    /// waiting before it answered: each with its outcome, or `None` where the
+    /// statement's fate is unknown (its connection lost, or given up on).
+    fn abandoned(
+        _pool: &PgPool,
+        _rows: &[(&Self::Row, Option<&Self::Outcome>)],
+    ) -> impl Future<Output = ()> + Send {
+        async {}
+    }
 }
 
 struct Job<B: Batch> {
     row: B::Row,
+    wait: Wait<B>,
+}
+
+/// A job's request, for as long as it waits.
+struct Wait<B: Batch> {
     /// When its request stops waiting: the op timeout after it was queued.
     deadline: Instant,
-    reply: oneshot::Sender<Result<B::Outcome, LedgerError>>,
+    /// `None` once answered.
+    reply: Option<oneshot::Sender<Result<B::Outcome, LedgerError>>>,
+}
+
+impl<B: Batch> Wait<B> {
+    fn answer(&mut self, outcome: Result<B::Outcome, LedgerError>) {
+        if let Some(reply) = self.reply.take() {
+            let _ = reply.send(outcome);
+        }
+    }
+
+    /// Whether its request still waits for the answer.
+    fn waiting(&self) -> bool {
+        self.reply.as_ref().is_some_and(|r| !r.is_closed())
+    }
 }
 
 /// The queue of one kind of write, drained by its driver task.
@@ -155,8 +201,10 @@ impl<B: Batch> Pipe<B> {
         let (reply, answer) = oneshot::channel();
         let job = Job {
             row,
-            deadline: Instant::now() + self.op_timeout,
-            reply,
+            wait: Wait {
+                deadline: Instant::now() + self.op_timeout,
+                reply: Some(reply),
+            },
         };
         if self.queue.send(job).is_err() {
             return Err(LedgerError::new(Stopped));
@@ -176,6 +224,45 @@ struct Driver {
     in_flight: usize,
     op_timeout: Duration,
     counts: Arc<Counts>,
+}
+
+/// Why a statement has no outcomes.
+enum Failure {
+    /// No connection: nothing was sent.
+    NotSent(Arc<sqlx::Error>),
+    /// Postgres refused it: nothing of it was committed.
+    Refused(Arc<sqlx::Error>),
+    /// Its connection was lost (or it failed after it ran): it may have committed.
+    Lost(Arc<sqlx::Error>),
+    /// It did not return an op timeout after its last request's deadline.
+    GivenUp,
+    /// It answered another number of rows than it was sent.
+    Miscounted,
+}
+
+impl Failure {
+    fn of_statement(error: sqlx::Error) -> Self {
+        match &error {
+            sqlx::Error::Database(db) if refused(&**db) => Self::Refused(Arc::new(error)),
+            _ => Self::Lost(Arc::new(error)),
+        }
+    }
+
+    /// Whether the statement may have committed rows nobody was told about.
+    fn fate_unknown(&self) -> bool {
+        matches!(self, Self::Lost(_) | Self::GivenUp)
+    }
+
+    /// The error each of its `rows` requests gets.
+    fn error<B: Batch>(&self, driver: &Driver, rows: usize) -> LedgerError {
+        match self {
+            Self::NotSent(cause) | Self::Refused(cause) | Self::Lost(cause) => {
+                failed::<B>(rows, cause.clone())
+            }
+            Self::GivenUp => driver.timeout(),
+            Self::Miscounted => driver.miscounted::<B>(),
+        }
+    }
 }
 
 impl Driver {
@@ -211,20 +298,20 @@ impl Driver {
     }
 
     /// Takes the next statement's jobs out of `waiting`: oldest first (each scope once,
-    /// if the kind says so), at most [`MAX_ROWS`] and [`MAX_BYTES`] (a larger row goes alone). Jobs past their
-    /// deadline are answered here, unsent.
+    /// if the kind says so), at most [`MAX_ROWS`] and [`MAX_BYTES`] (a larger row goes
+    /// alone). Jobs without [`MIN_BUDGET`] left are answered here, unsent.
     fn take_batch<B: Batch>(&self, waiting: &mut VecDeque<Job<B>>) -> Vec<Job<B>> {
         let now = Instant::now();
         let mut batch: Vec<Job<B>> = Vec::new();
         let mut scopes = HashSet::new();
         let mut bytes = 0;
         let mut left = VecDeque::with_capacity(waiting.len());
-        while let Some(job) = waiting.pop_front() {
-            if job.deadline <= now {
-                let _ = job.reply.send(Err(self.timeout()));
+        while let Some(mut job) = waiting.pop_front() {
+            if job.wait.deadline <= now + MIN_BUDGET {
+                job.wait.answer(Err(self.timeout()));
                 continue;
             }
-            if B::SKIP_ABANDONED && job.reply.is_closed() {
+            if B::SKIP_ABANDONED && !job.wait.waiting() {
                 continue;
             }
             let size = B::bytes(&job.row);
@@ -240,7 +327,8 @@ impl Driver {
         batch
     }
 
-    /// Writes one statement and answers each of its jobs.
+    /// Writes one statement and answers each of its jobs; then undoes what it did for
+    /// the jobs that stopped waiting.
     async fn write<B: Batch>(
         self,
         mut batch: Vec<Job<B>>,
@@ -248,69 +336,130 @@ impl Driver {
         place: OwnedSemaphorePermit,
     ) {
         batch.sort_by(|a, b| order(B::scope(&a.row)).cmp(&order(B::scope(&b.row))));
-        let deadline = batch.iter().map(|job| job.deadline).min();
-        let deadline = deadline.expect("a batch has a job");
+        let (rows, mut waits): (Vec<B::Row>, Vec<Wait<B>>) =
+            batch.into_iter().map(|job| (job.row, job.wait)).unzip();
+        let rows: Vec<&B::Row> = rows.iter().collect();
         let mut turn = Some(turn);
-        let written = {
-            let rows: Vec<&B::Row> = batch.iter().map(|job| &job.row).collect();
-            let statement = tokio::time::timeout_at(deadline, B::write(&self.pool, &rows));
-            let mut statement = std::pin::pin!(statement);
-            tokio::select! {
-                written = &mut statement => written,
-                () = tokio::time::sleep(SLOW) => {
-                    turn = None; // slow: the next statement may start beside it
-                    statement.await
-                }
-            }
-        };
+        let ended = self.statement::<B>(&rows, &mut waits, &mut turn).await;
         drop(turn);
-        self.counts.add::<B>(batch.len());
-        match written {
-            Ok(Ok(outcomes)) if outcomes.len() == batch.len() => {
-                for (job, outcome) in batch.into_iter().zip(outcomes) {
-                    let _ = job.reply.send(Ok(outcome));
-                }
-            }
+        let mut unknown: Vec<&B::Row> = Vec::new();
+        match ended {
+            Ok(outcomes) => self.settle::<B>(&rows, &mut waits, outcomes).await,
             // Postgres refused the statement, so nothing of it was committed: one row may
             // be at fault (a value it rejects, a lock it waited on too long). Each row
-            // alone, so that only its own request hears of it.
-            Ok(Err(sqlx::Error::Database(error))) if batch.len() > 1 && refused(&*error) => {
-                for job in batch {
-                    let row = [&job.row];
-                    let alone = tokio::time::timeout_at(job.deadline, B::write(&self.pool, &row));
-                    let alone = alone.await;
-                    self.counts.add::<B>(1);
-                    let _ = job.reply.send(self.answer::<B>(alone));
+            // whose request still waits goes again alone, so only its own request hears.
+            Err(Failure::Refused(_)) if rows.len() > 1 => {
+                for (i, row) in rows.iter().enumerate() {
+                    if waits[i].reply.is_none() {
+                        continue;
+                    }
+                    let one = [*row];
+                    let wait = &mut waits[i..=i];
+                    match self.statement::<B>(&one, wait, &mut None).await {
+                        Ok(outcomes) => self.settle::<B>(&one, wait, outcomes).await,
+                        Err(failure) => {
+                            wait[0].answer(Err(failure.error::<B>(&self, 1)));
+                            if failure.fate_unknown() {
+                                unknown.push(row);
+                            }
+                        }
+                    }
                 }
             }
-            written => {
-                let rows = batch.len();
-                let error: Box<dyn Fn() -> LedgerError + Send> = match written {
-                    Ok(Ok(_)) => Box::new(|| self.miscounted::<B>()),
-                    Ok(Err(cause)) => {
-                        let cause = Arc::new(cause);
-                        Box::new(move || failed::<B>(rows, cause.clone()))
-                    }
-                    Err(_) => Box::new(|| self.timeout()),
-                };
-                for job in batch {
-                    let _ = job.reply.send(Err(error()));
+            Err(failure) => {
+                for wait in &mut waits {
+                    wait.answer(Err(failure.error::<B>(&self, rows.len())));
+                }
+                if failure.fate_unknown() {
+                    unknown.extend(rows.iter().copied());
                 }
             }
         }
         drop(place);
+        if !unknown.is_empty() {
+            // The statement may still commit (its connection cut while the server goes
+            // on, a commit held up): undo now, and again once nothing it started can
+            // still be running.
+            let rows: Vec<_> = unknown.iter().map(|row| (*row, None)).collect();
+            B::abandoned(&self.pool, &rows).await;
+            tokio::time::sleep(self.op_timeout).await;
+            B::abandoned(&self.pool, &rows).await;
+        }
     }
 
-    /// The answer to one row written alone.
-    fn answer<B: Batch>(
+    /// Answers the jobs still waiting with their outcomes; undoes the others'.
+    async fn settle<B: Batch>(
         &self,
-        written: Result<Result<Vec<B::Outcome>, sqlx::Error>, Elapsed>,
-    ) -> Result<B::Outcome, LedgerError> {
-        match written {
-            Ok(Ok(mut outcomes)) if outcomes.len() == 1 => Ok(outcomes.remove(0)),
-            Ok(Ok(_)) => Err(self.miscounted::<B>()),
-            Ok(Err(cause)) => Err(failed::<B>(1, Arc::new(cause))),
-            Err(_) => Err(self.timeout()),
+        rows: &[&B::Row],
+        waits: &mut [Wait<B>],
+        outcomes: Vec<B::Outcome>,
+    ) {
+        let mut abandoned = Vec::new();
+        for ((row, wait), outcome) in rows.iter().zip(waits.iter_mut()).zip(outcomes) {
+            if wait.waiting() {
+                wait.answer(Ok(outcome));
+            } else {
+                abandoned.push((*row, outcome));
+            }
+        }
+        if !abandoned.is_empty() {
+            let rows: Vec<_> = abandoned.iter().map(|(row, o)| (*row, Some(o))).collect();
+            B::abandoned(&self.pool, &rows).await;
+        }
+    }
+
+    /// Sends one statement on a connection of its own and waits for it, answering each
+    /// job whose deadline passes meanwhile (with a timeout) without giving the statement
+    /// up; past [`SLOW`] it hands the turn on. A statement still running an op timeout
+    /// after the last deadline is given up, and its connection closed.
+    async fn statement<B: Batch>(
+        &self,
+        rows: &[&B::Row],
+        waits: &mut [Wait<B>],
+        turn: &mut Option<OwnedSemaphorePermit>,
+    ) -> Result<Vec<B::Outcome>, Failure> {
+        let last = waits.iter().map(|w| w.deadline).max();
+        let give_up_at = last.expect("a statement has a row") + self.op_timeout;
+        let mut conn: Option<PoolConnection<Postgres>> = None;
+        let ended = {
+            let (pool, held) = (&self.pool, &mut conn);
+            let statement = async move {
+                let acquired = pool.acquire().await;
+                let conn = held.insert(acquired.map_err(|e| Failure::NotSent(Arc::new(e)))?);
+                B::write(conn, rows).await.map_err(Failure::of_statement)
+            };
+            let mut statement = pin!(statement);
+            let mut slow = pin!(tokio::time::sleep(SLOW));
+            loop {
+                let next = waits
+                    .iter()
+                    .filter(|w| w.reply.is_some())
+                    .map(|w| w.deadline)
+                    .min();
+                tokio::select! {
+                    biased;
+                    ended = &mut statement => break ended,
+                    () = &mut slow, if turn.is_some() => *turn = None,
+                    () = tokio::time::sleep_until(next.unwrap_or(give_up_at)), if next.is_some() => {
+                        let now = Instant::now();
+                        for wait in waits.iter_mut().filter(|w| w.deadline <= now) {
+                            wait.answer(Err(self.timeout()));
+                        }
+                    }
+                    () = tokio::time::sleep_until(give_up_at) => break Err(Failure::GivenUp),
+                }
+            }
+        };
+        self.counts.add::<B>(rows.len());
+        if let Some(conn) = conn.as_mut()
+            && (matches!(ended, Err(Failure::GivenUp)) || B::close_after(rows))
+        {
+            // Given up mid-statement (its state unknown), or grown large: never pooled.
+            conn.close_on_drop();
+        }
+        match ended {
+            Ok(outcomes) if outcomes.len() != rows.len() => Err(Failure::Miscounted),
+            ended => ended,
         }
     }
 

@@ -3,8 +3,8 @@
 //! # Layout
 //! - [`ledger`]: [`PgLedger`] and the `idempotency_keys` row: every statement the
 //!   gateway (the engine's [`idem_core::Ledger`]), the reconciler and `idemgate keys`
-//!   run on it, each one atomic, bounded and traced, with the row's states and
-//!   transitions tabled at the top.
+//!   run on it, each one atomic, bounded and traced, one family per module, with the
+//!   row's states and transitions in [`ledger::rules`].
 //! - [`group`]: group commit, the pipes that let concurrent claims (and completions)
 //!   share one statement and one commit.
 //! - [`headers`]: how response headers are stored, byte for byte.
@@ -21,7 +21,7 @@ use std::time::Duration;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::{Connection, PgPool};
 
-pub use ledger::{KeyInfo, Later, PgLedger, StuckRow};
+pub use ledger::{BodyStats, KeyInfo, Later, OperatorRelease, PgLedger, StuckRow};
 
 /// The schema, embedded from the workspace's `migrations/` at build time.
 pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("../../migrations");

@@ -1,8 +1,12 @@
 //! The connection pool against a network that fails the way real ones do.
 
+mod common;
+
 use std::time::{Duration, Instant};
 
-use idem_postgres::PoolSettings;
+use common::*;
+use idem_core::ClaimResult;
+use idem_postgres::{PgLedger, PoolSettings};
 use idem_testkit::{FaultProxy, TestDb};
 
 /// A connection that sat idle can have been forgotten by a NAT or firewall on the way:
@@ -51,4 +55,48 @@ async fn an_idle_connection_gone_silent_is_replaced_within_the_acquire_timeout()
         started.elapsed()
     );
     assert!(started.elapsed() < settings.acquire_timeout);
+}
+
+/// The pool skips sqlx's ping before every statement, but a connection that sat idle
+/// (and may have been cut meanwhile: a Postgres restart, a failover, a proxy's idle
+/// timeout) is still pinged, so the next request gets a fresh connection, not an error.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connection_cut_while_idle_is_replaced_before_a_request_uses_it() {
+    let db = TestDb::create().await;
+    db.migrate().await;
+    let pool = idem_postgres::connect(
+        &db.url,
+        &idem_postgres::PoolSettings {
+            max_connections: 1,
+            acquire_timeout: Duration::from_secs(5),
+            statement_timeout: Duration::from_secs(5),
+            application_name: "idle-ping-test".into(),
+        },
+    )
+    .await
+    .unwrap();
+    let ledger = PgLedger::new(pool.clone(), Duration::from_secs(5));
+    let backend: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+
+    let admin = sqlx::PgPool::connect(&db.url).await.unwrap();
+    let cut: bool = sqlx::query_scalar("SELECT pg_terminate_backend($1)")
+        .bind(backend)
+        .fetch_one(&admin)
+        .await
+        .unwrap();
+    assert!(cut, "the pooled connection should have been terminated");
+    admin.close().await;
+    // Real time: sqlx judges idleness by the real clock; only an idle connection is pinged.
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+
+    let (_, claimed) = claim(&ledger, &scope("after-cut"), Duration::from_secs(30)).await;
+    assert!(matches!(claimed, ClaimResult::Claimed));
+    let now: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_ne!(now, backend, "a new connection should serve the request");
 }

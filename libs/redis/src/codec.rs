@@ -1,28 +1,47 @@
 //! The cached response's binary form:
 //!
 //! ```text
-//! version u8 (2) | flags u8 (bit 0: body omitted) | fingerprint [32] | status u16
+//! version u8 (2) | flags u8 (bit 0: body omitted, bit 1: body in the ledger)
+//! | fingerprint [32] | status u16
 //! | trace len u16 | trace | header count u16
 //! | (name len u16 | name | value len u32 | value)* | body
 //! ```
 //!
 //! Version 1 (the same without the flags byte) is still read. An entry whose parts do
 //! not fit their length fields is not encoded at all (the ledger serves that scope).
+//!
+//! A body larger than [`INLINE`] is not cached: the entry is written without it, marked
+//! "in the ledger", so a lookup stays one small round trip that still says "completed"
+//! (and takes no lock), and the ledger serves the body, read once for all the retries
+//! that want it at the same moment. A few large values in one round trip were enough to
+//! overrun `redis.timeout` and open the breaker, exactly when replays were many.
 
 use bytes::Bytes;
 use idem_core::{CacheEntry, Fingerprint, StoredResponse};
 
 const VERSION: u8 = 2;
 const FLAG_OMITTED: u8 = 1;
+const FLAG_IN_LEDGER: u8 = 2;
+
+/// The largest body cached in Redis.
+pub const INLINE: usize = 64 * 1024;
+
+/// Whether the entry's body was left to the ledger (too large to cache).
+pub fn body_in_ledger(bytes: &[u8]) -> bool {
+    matches!(bytes, [VERSION, flags, ..] if flags & FLAG_IN_LEDGER != 0)
+}
 
 /// The entry's bytes; `None` if a part is too long for its length field.
 pub fn encode(entry: &CacheEntry) -> Option<Vec<u8>> {
     let r = &entry.response;
+    let in_ledger = r.body.len() > INLINE;
+    let body: &[u8] = if in_ledger { &[] } else { &r.body };
     let trace = entry.trace_context.as_deref().unwrap_or("").as_bytes();
     let headers: usize = r.headers.iter().map(|(n, v)| 6 + n.len() + v.len()).sum();
-    let mut out = Vec::with_capacity(2 + 32 + 2 + 2 + trace.len() + 2 + headers + r.body.len());
+    let mut out = Vec::with_capacity(2 + 32 + 2 + 2 + trace.len() + 2 + headers + body.len());
     out.push(VERSION);
-    out.push(if r.body_omitted { FLAG_OMITTED } else { 0 });
+    let omitted = if r.body_omitted { FLAG_OMITTED } else { 0 };
+    out.push(omitted | if in_ledger { FLAG_IN_LEDGER } else { 0 });
     out.extend_from_slice(entry.fingerprint.as_bytes());
     out.extend_from_slice(&r.status.to_be_bytes());
     out.extend_from_slice(&u16::try_from(trace.len()).ok()?.to_be_bytes());
@@ -34,11 +53,12 @@ pub fn encode(entry: &CacheEntry) -> Option<Vec<u8>> {
         out.extend_from_slice(&u32::try_from(value.len()).ok()?.to_be_bytes());
         out.extend_from_slice(value);
     }
-    out.extend_from_slice(&r.body);
+    out.extend_from_slice(body);
     Some(out)
 }
 
-/// `None` if the bytes are not a cache entry of a known version.
+/// `None` if the bytes are not a cache entry of a known version. (An entry whose body is
+/// in the ledger decodes with an empty body: see [`body_in_ledger`].)
 pub fn decode(bytes: &[u8]) -> Option<CacheEntry> {
     let mut r = Reader(bytes);
     let flags = match r.take(1)? {
@@ -121,6 +141,17 @@ mod tests {
         let mut omitted = entry(None);
         omitted.response = StoredResponse::without_body(201, Vec::new());
         assert_eq!(decode(&encode(&omitted).unwrap()), Some(omitted));
+    }
+
+    #[test]
+    fn a_large_body_is_left_to_the_ledger() {
+        let mut large = entry(None);
+        large.response.body = Bytes::from(vec![1u8; INLINE + 1]);
+        let bytes = encode(&large).unwrap();
+        assert!(bytes.len() < 200, "{} bytes", bytes.len());
+        assert!(body_in_ledger(&bytes));
+        let small = encode(&entry(None)).unwrap();
+        assert!(!body_in_ledger(&small));
     }
 
     #[test]

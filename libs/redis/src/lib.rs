@@ -167,6 +167,12 @@ impl Cache for RedisCache {
             .await;
         let stats = &self.breaker.stats;
         match reply.as_deref() {
+            Some([Value::Int(1), Value::BulkString(bytes), Value::Int(_)])
+                if codec::body_in_ledger(bytes) =>
+            {
+                stats.hits.fetch_add(1, Ordering::Relaxed);
+                CacheLookup::InLedger
+            }
             Some([Value::Int(1), Value::BulkString(bytes), Value::Int(pttl)]) => {
                 match codec::decode(bytes) {
                     Some(entry) => {

@@ -38,6 +38,8 @@ pub struct FaultProxy {
     pub addr: SocketAddr,
     fault: watch::Sender<Fault>,
     opened: Arc<AtomicU64>,
+    /// Bytes forwarded from clients to the target.
+    sent: Arc<AtomicU64>,
     task: tokio::task::JoinHandle<()>,
 }
 
@@ -53,17 +55,19 @@ impl FaultProxy {
         let addr = listener.local_addr().unwrap();
         let (fault, watching) = watch::channel(Fault::None);
         let opened = Arc::new(AtomicU64::new(0));
-        let counter = opened.clone();
+        let sent = Arc::new(AtomicU64::new(0));
+        let (counter, sending) = (opened.clone(), sent.clone());
         let task = tokio::spawn(async move {
             while let Ok((client, _)) = listener.accept().await {
                 let id = counter.fetch_add(1, Ordering::SeqCst);
-                tokio::spawn(carry(client, target, id, watching.clone()));
+                tokio::spawn(carry(client, target, id, watching.clone(), sending.clone()));
             }
         });
         Self {
             addr,
             fault,
             opened,
+            sent,
             task,
         }
     }
@@ -76,6 +80,11 @@ impl FaultProxy {
     /// How many connections the proxy has accepted so far.
     pub fn opened(&self) -> u64 {
         self.opened.load(Ordering::SeqCst)
+    }
+
+    /// How many bytes clients have sent to the target through the proxy so far.
+    pub fn sent(&self) -> u64 {
+        self.sent.load(Ordering::SeqCst)
     }
 
     /// [`Fault::StallOpen`] for the connections open now.
@@ -97,7 +106,13 @@ impl Drop for FaultProxy {
 }
 
 /// One proxied connection: a pump each way, until either side closes.
-async fn carry(client: TcpStream, target: SocketAddr, id: u64, fault: watch::Receiver<Fault>) {
+async fn carry(
+    client: TcpStream,
+    target: SocketAddr,
+    id: u64,
+    fault: watch::Receiver<Fault>,
+    sent: Arc<AtomicU64>,
+) {
     // Connecting is held by a fault like any byte: a blackholed SYN never comes back.
     let Some(()) = pass(&mut fault.clone(), id).await else {
         return;
@@ -110,8 +125,8 @@ async fn carry(client: TcpStream, target: SocketAddr, id: u64, fault: watch::Rec
     let (client_read, client_write) = client.into_split();
     let (server_read, server_write) = server.into_split();
     tokio::select! {
-        () = pump(client_read, server_write, id, fault.clone()) => {}
-        () = pump(server_read, client_write, id, fault) => {}
+        () = pump(client_read, server_write, id, fault.clone(), Some(sent)) => {}
+        () = pump(server_read, client_write, id, fault, None) => {}
     }
 }
 
@@ -120,6 +135,7 @@ async fn pump(
     mut to: tokio::net::tcp::OwnedWriteHalf,
     id: u64,
     mut fault: watch::Receiver<Fault>,
+    counted: Option<Arc<AtomicU64>>,
 ) {
     let mut buf = vec![0u8; 16 * 1024];
     loop {
@@ -127,6 +143,9 @@ async fn pump(
             Ok(0) | Err(_) => return,
             Ok(n) => n,
         };
+        if let Some(counted) = &counted {
+            counted.fetch_add(n as u64, Ordering::SeqCst);
+        }
         if pass(&mut fault, id).await.is_none() || to.write_all(&buf[..n]).await.is_err() {
             return;
         }

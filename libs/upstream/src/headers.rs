@@ -7,9 +7,10 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use http::header::{self, AsHeaderName, HeaderMap, HeaderName, HeaderValue};
-use idem_core::{IdempotencyKey, StoredResponse};
+use idem_core::{AttemptId, IdempotencyKey, StoredResponse};
 
 pub const IDEMPOTENCY_KEY: HeaderName = HeaderName::from_static("idempotency-key");
+pub const IDEMPOTENCY_ATTEMPT: HeaderName = HeaderName::from_static("idempotency-attempt");
 pub const X_TENANT_ID: HeaderName = HeaderName::from_static("x-tenant-id");
 pub const IDEMPOTENT_REPLAYED: HeaderName = HeaderName::from_static("idempotent-replayed");
 pub const PREFERENCE_APPLIED: HeaderName = HeaderName::from_static("preference-applied");
@@ -99,7 +100,12 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
 }
 
 /// The headers idemgate sets upstream, never taken from the client.
-const OWNED: [HeaderName; 3] = [IDEMPOTENCY_KEY, X_TENANT_ID, TRACEPARENT];
+const OWNED: [HeaderName; 4] = [
+    IDEMPOTENCY_KEY,
+    IDEMPOTENCY_ATTEMPT,
+    X_TENANT_ID,
+    TRACEPARENT,
+];
 
 /// Whether a client header is one idemgate sets, in any spelling: CGI-style servers
 /// (Rack, PHP-FPM, older gunicorn) read `X_Tenant_Id` and `X-Tenant-Id` as the same
@@ -117,13 +123,14 @@ fn spells_an_owned_header(name: &HeaderName) -> bool {
 }
 
 /// The headers sent upstream: the client's end-to-end headers, minus those idemgate
-/// owns (in any spelling), plus the tenant from the token, the key exactly as scoped
-/// and the trace context (a client's valid `traceparent`, or idemgate's own span's,
+/// owns (in any spelling), plus the tenant from the token, the key exactly as scoped,
+/// the attempt's fencing token (so the upstream and its probe can tell two lives of one
+/// key apart) and the trace context (a client's valid `traceparent`, or idemgate's own span's,
 /// which the client injects over it when tracing).
 pub fn upstream_request_headers(
     client: &HeaderMap,
     tenant: &str,
-    key: Option<&IdempotencyKey>,
+    key: Option<(&IdempotencyKey, AttemptId)>,
     traceparent: Option<&str>,
 ) -> HeaderMap {
     let mut headers = client.clone();
@@ -144,8 +151,13 @@ pub fn upstream_request_headers(
     if let Ok(tenant) = HeaderValue::from_str(tenant) {
         headers.insert(X_TENANT_ID, tenant);
     }
-    if let Some(key) = key.and_then(|k| HeaderValue::from_str(k.as_str()).ok()) {
-        headers.insert(IDEMPOTENCY_KEY, key);
+    if let Some((key, attempt)) = key {
+        if let Ok(key) = HeaderValue::from_str(key.as_str()) {
+            headers.insert(IDEMPOTENCY_KEY, key);
+        }
+        if let Ok(attempt) = HeaderValue::from_str(&attempt.to_string()) {
+            headers.insert(IDEMPOTENCY_ATTEMPT, attempt);
+        }
     }
     if let Some(tp) = traceparent.and_then(|tp| HeaderValue::from_str(tp).ok()) {
         headers.insert(TRACEPARENT, tp);
@@ -234,7 +246,7 @@ mod tests {
             ("authorization", "Bearer t"),
         ]);
         let key = IdempotencyKey::parse(b"\"quoted\"").unwrap();
-        let h = upstream_request_headers(&client, "acme", Some(&key), None);
+        let h = upstream_request_headers(&client, "acme", Some((&key, AttemptId::random())), None);
         assert_eq!(
             h.get_all("x-tenant-id").iter().collect::<Vec<_>>(),
             ["acme"]
@@ -284,6 +296,7 @@ mod tests {
         let client = map(&[
             ("x_tenant_id", "globex"),
             ("idempotency_key", "other"),
+            ("idempotency_attempt", "forged"),
             ("x-tenant_id", "globex"),
             (
                 "traceparent",
@@ -293,7 +306,8 @@ mod tests {
             ("x_request_id", "kept"),
         ]);
         let key = IdempotencyKey::parse(b"k").unwrap();
-        let h = upstream_request_headers(&client, "acme", Some(&key), None);
+        let attempt = AttemptId::random();
+        let h = upstream_request_headers(&client, "acme", Some((&key, attempt)), None);
         assert_eq!(
             h,
             map(&[
@@ -301,6 +315,7 @@ mod tests {
                 ("x_request_id", "kept"),
                 ("x-tenant-id", "acme"),
                 ("idempotency-key", "k"),
+                ("idempotency-attempt", &attempt.to_string()),
             ])
         );
         let traced = upstream_request_headers(&client, "acme", None, Some("00-1-2-01"));

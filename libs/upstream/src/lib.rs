@@ -1,7 +1,8 @@
 //! `idem-upstream`: what the gateway and the reconciler share about upstreams.
 //!
 //! # Layout
-//! - [`client`]: one pooled HTTP/1.1 client, and [`client::Forwarded`]: answered,
+//! - [`client`]: one pooled HTTP/1.1 client whose requests cannot leave after their
+//!   deadline, and [`client::Forwarded`]: answered,
 //!   provably not sent, or unknown.
 //! - [`headers`]: every header rule — names, hop-by-hop stripping both ways, what goes
 //!   upstream, what is stored and replayed.
@@ -11,7 +12,7 @@ pub mod client;
 pub mod headers;
 
 pub use client::{
-    Deadlined, Forwarded, HttpClient, Late, NotSent, ResponseBody, Unknown, UpstreamResponse,
+    ConnectError, Forwarded, HttpClient, Late, NotSent, ResponseBody, Unknown, UpstreamResponse,
     forward, pooled_client,
 };
 

@@ -5,6 +5,7 @@
 use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use anyhow::Context;
@@ -49,6 +50,29 @@ pub struct AppState {
     pub fenced: std::sync::atomic::AtomicU64,
     /// Fetches and refreshes an identity provider's keys, for as long as the state lives.
     pub key_refresh: Option<tokio_util::task::AbortOnDropHandle<()>>,
+    /// Whether a writable Postgres answered lately: refreshed in the background.
+    pub postgres_ready: Arc<AtomicBool>,
+    /// Refreshes `postgres_ready`, for as long as the state lives.
+    pub readiness: tokio_util::task::AbortOnDropHandle<()>,
+}
+
+/// How often readiness asks Postgres, however many probes ask the gateway.
+const READINESS_EVERY: Duration = Duration::from_secs(1);
+
+/// Keeps `ready` true while a writable Postgres answers (one short query a second, so a
+/// flood of `/readyz` never reaches Postgres).
+async fn watch_readiness(ledger: PgLedger, ready: Arc<AtomicBool>) {
+    let mut every = tokio::time::interval(READINESS_EVERY);
+    every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        every.tick().await;
+        let writable = tokio::time::timeout(Duration::from_secs(2), ledger.writable())
+            .await
+            .is_ok_and(|answer| answer.is_ok_and(|writable| writable));
+        if ready.swap(writable, Ordering::Relaxed) != writable {
+            tracing::info!(ready = writable, "postgres readiness changed");
+        }
+    }
 }
 
 /// A gateway, bound and ready to serve.
@@ -113,10 +137,26 @@ impl Application {
         // arrive at once, the request threads keep a core for everyone else's I/O.
         let cpus = std::thread::available_parallelism().map_or(1, usize::from);
         let cpu_heavy = cpus.saturating_sub(1).max(1);
+        let ledger =
+            PgLedger::with_replay_budget(pool, op_timeout, server.max_replay_bytes_in_flight);
+        let stored = ledger
+            .stored_endpoints()
+            .await
+            .context("reading the endpoints stored in the ledger")?;
+        config
+            .routes
+            .check_renames(stored.iter().map(String::as_str))
+            .map_err(anyhow::Error::msg)
+            .context("routes")?;
+        let postgres_ready = Arc::new(AtomicBool::new(false));
+        let readiness = tokio_util::task::AbortOnDropHandle::new(tokio::spawn(watch_readiness(
+            ledger.clone(),
+            postgres_ready.clone(),
+        )));
         let state = AppState {
             auth,
             routes: config.routes,
-            engine: Engine::with_cache(PgLedger::new(pool, op_timeout), cache),
+            engine: Engine::with_cache(ledger, cache),
             client: upstream::pooled_client(),
             max_body_bytes: server.max_body_bytes,
             body_read_timeout: server.body_read_timeout,
@@ -129,6 +169,8 @@ impl Application {
             tasks: TaskTracker::new(),
             fenced: Default::default(),
             key_refresh,
+            postgres_ready,
+            readiness,
         };
         Ok(Self {
             listener,
@@ -138,6 +180,7 @@ impl Application {
                 header_read_timeout: server.header_read_timeout,
                 max_header_bytes: server.max_header_bytes,
                 max_headers: server.max_headers,
+                response_write_timeout: server.response_write_timeout,
             },
         })
     }
@@ -204,14 +247,9 @@ pub fn router(state: Arc<AppState>) -> Router {
         .with_state(state)
 }
 
+/// From what the background check last saw: a probe never reaches Postgres itself.
 async fn readyz(State(app): State<Arc<AppState>>) -> Response {
-    let pool = app.engine.ledger().pool();
-    let postgres = tokio::time::timeout(
-        Duration::from_secs(2),
-        sqlx::query("SELECT 1").execute(pool),
-    )
-    .await
-    .is_ok_and(|r| r.is_ok());
+    let postgres = app.postgres_ready.load(Ordering::Relaxed);
     let redis = match app.engine.cache() {
         MaybeCache::Some(cache) if cache.inner().stats().up => "up",
         MaybeCache::Some(_) => "down (serving from Postgres alone)",
@@ -242,6 +280,10 @@ async fn metrics(State(app): State<Arc<AppState>>) -> Response {
     counter!("idemgate_ledger_statements_total").absolute(app.engine.ledger().calls());
     counter!("idemgate_fenced_completions_total")
         .absolute(app.fenced.load(std::sync::atomic::Ordering::Relaxed));
+    gauge!("idemgate_requests_in_flight").set(app.limits.in_use() as f64);
+    let bodies = app.engine.ledger().bodies();
+    gauge!("idemgate_replay_bytes_in_flight").set(bodies.held_bytes as f64);
+    counter!("idemgate_replay_body_reads_total").absolute(bodies.reads);
     if let MaybeCache::Some(cache) = app.engine.cache() {
         gauge!("idemgate_local_cache_entries").set(cache.len() as f64);
         gauge!("idemgate_local_cache_bytes").set(cache.bytes() as f64);
@@ -287,6 +329,20 @@ fn describe_metrics() {
     describe_gauge!(
         "idemgate_inflight_executions",
         "Upstream executions in flight."
+    );
+    describe_gauge!(
+        "idemgate_requests_in_flight",
+        "Slots of server.max_concurrent_requests in use: requests, and the work of \
+         clients that hung up, until it ends."
+    );
+    describe_gauge!(
+        "idemgate_replay_bytes_in_flight",
+        "Stored bodies held for replays being read or sent (one copy per key), \
+         bounded by server.max_replay_bytes_in_flight."
+    );
+    describe_counter!(
+        "idemgate_replay_body_reads_total",
+        "Large stored bodies read from Postgres (one read serves every concurrent retry)."
     );
     describe_counter!(
         "idemgate_ledger_statements_total",

@@ -13,16 +13,20 @@ use bytes::Bytes;
 use http::request::Parts;
 use http_body_util::Full;
 use idem_config::Route;
-use idem_core::{Attempt, BodyKind, Execution, Fingerprint, IdempotencyKey, Outcome, Scope};
+use idem_core::{
+    Attempt, AttemptId, BodyKind, Execution, Fingerprint, IdempotencyKey, Outcome, Scope,
+};
 use idem_telemetry::metrics::{gauge, histogram};
 use idem_telemetry::propagation;
 use idem_upstream::headers as h;
 use idem_upstream::{self as upstream, Forwarded};
 use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, Span};
 
 use crate::app::AppState;
 use crate::extract::{Key, Matched, Tenant, is_json, read_body};
+use crate::limits::Slot;
 use crate::observe::{self, Endpoint};
 use crate::problem::Problem;
 use crate::respond::{passthrough, respond};
@@ -53,6 +57,13 @@ async fn serve(
 ) -> Result<Response, Problem> {
     // Extract.
     let Key(key) = key?;
+    // This request's slot (see [`crate::limits`]): the work it starts holds a clone, so
+    // a client that hangs up frees it only once that work has ended.
+    let slot = request.extensions().get::<Slot>().cloned();
+    // Cancelled when this handler ends or is dropped (its client hung up): a wait for
+    // another attempt stops then; an execution and its completion do not.
+    let gone = CancellationToken::new();
+    let _gone_on_drop = gone.clone().drop_guard();
     let (parts, body) = request.into_parts();
     let body = read_body(
         body,
@@ -71,7 +82,7 @@ async fn serve(
             key: None,
             traceparent: client_trace.as_deref(),
         };
-        let response = match forward(&app, &route, &sent, body, route.timeout).await {
+        let response = match forward(&app, &route, &sent, None, body, route.timeout).await {
             Forwarded::Answered(response) => passthrough(response),
             Forwarded::NotSent(_) => Problem::UpstreamUnavailable.into_response(),
             Forwarded::Unknown(_) => Problem::UpstreamTimeout.into_response(),
@@ -84,7 +95,7 @@ async fn serve(
     } else {
         BodyKind::Raw
     };
-    let fingerprint = fingerprint(&app, parts.method.as_str(), target, kind, &body)
+    let fingerprint = fingerprint(&app, &slot, parts.method.as_str(), target, kind, &body)
         .await
         .map_err(|why| {
             Problem::RequestInvalid(format!("the body is not acceptable JSON: {why}"))
@@ -103,24 +114,27 @@ async fn serve(
         policy: &route.policy,
         wait,
         trace_context: trace_context.as_deref(),
+        gone: Some(&gone),
     });
     let outcome = match peeked {
         Some(outcome) => outcome,
         // Claim, forward and store in a task of its own: a client that hangs up drops
         // this handler's future, and must not cancel the forward-and-store half way.
         None => {
-            let (app, route) = (app.clone(), route.clone());
+            let (app, route, gone) = (app.clone(), route.clone(), gone.clone());
             let ran = app
                 .tasks
                 .clone()
                 .spawn(
                     async move {
+                        let _slot = slot;
                         let request = idem_core::Request {
                             scope: &scope,
                             fingerprint: &fingerprint,
                             policy: &route.policy,
                             wait,
                             trace_context: trace_context.as_deref(),
+                            gone: Some(&gone),
                         };
                         let sent = Sent {
                             parts: &parts,
@@ -145,6 +159,11 @@ async fn serve(
                 .await;
             match ran {
                 Ok(Ok(outcome)) => outcome,
+                Ok(Err(error)) if error.is_busy() => {
+                    tracing::warn!(%error, "refused: too much in flight");
+                    span.record("idempotency.outcome", "overloaded");
+                    return Err(Problem::Overloaded);
+                }
                 Ok(Err(error)) => {
                     tracing::error!(%error, "ledger unavailable");
                     span.record("idempotency.outcome", "error");
@@ -209,6 +228,7 @@ const FINGERPRINT_INLINE_UP_TO: usize = 32 * 1024;
 /// but one at a time (so a flood of large bodies queues here, not on the workers).
 async fn fingerprint(
     app: &AppState,
+    slot: &Option<Slot>,
     method: &str,
     target: &str,
     kind: BodyKind,
@@ -224,9 +244,10 @@ async fn fingerprint(
         .await
         .expect("the CPU pool is never closed");
     let (method, target, body) = (method.to_owned(), target.to_owned(), body.clone());
+    let slot = slot.clone();
     tokio::task::spawn_blocking(move || {
         // Held by the work itself, so a client that hangs up frees no slot early.
-        let _permit = permit;
+        let (_permit, _slot) = (permit, slot);
         Fingerprint::compute(&method, &target, kind, &body)
     })
     .await
@@ -249,7 +270,7 @@ async fn execute(
         return Execution::NotSent;
     }
     gauge!("idemgate_inflight_executions").increment(1.0);
-    let forwarded = forward(app, route, sent, body, timeout).await;
+    let forwarded = forward(app, route, sent, Some(attempt.id), body, timeout).await;
     gauge!("idemgate_inflight_executions").decrement(1.0);
     match forwarded {
         Forwarded::Answered(response) => Execution::Responded {
@@ -277,6 +298,7 @@ async fn forward(
     app: &AppState,
     route: &Route,
     sent: &Sent<'_>,
+    attempt: Option<AttemptId>,
     body: Bytes,
     timeout: Duration,
 ) -> Forwarded {
@@ -289,8 +311,12 @@ async fn forward(
     let mut request = Request::new(Full::new(body));
     *request.method_mut() = parts.method.clone();
     *request.uri_mut() = uri;
-    *request.headers_mut() =
-        h::upstream_request_headers(&parts.headers, sent.tenant, sent.key, sent.traceparent);
+    *request.headers_mut() = h::upstream_request_headers(
+        &parts.headers,
+        sent.tenant,
+        sent.key.zip(attempt),
+        sent.traceparent,
+    );
     let started = Instant::now();
     let forwarded =
         upstream::forward(&app.client, request, timeout, route.max_response_bytes).await;

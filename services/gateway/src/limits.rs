@@ -3,6 +3,10 @@
 //! beyond `server.max_concurrent_requests` in flight a request gets 503 `overloaded`
 //! at once (never queued). `/healthz`, `/readyz` and `/metrics` are not counted, so an
 //! overloaded gateway still says how it is. Either refusal claims nothing.
+//!
+//! A request's slot goes with it as a [`Slot`] in its extensions; the work it starts
+//! (the engine's task, a fingerprint on the blocking pool) holds a clone, so the slot is
+//! free again only when all of it has ended, whether or not the client stayed.
 
 use std::sync::Arc;
 
@@ -10,7 +14,7 @@ use axum::extract::{Request, State};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use idem_telemetry::metrics::counter;
-use tokio::sync::Semaphore;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use crate::app::AppState;
 use crate::problem::Problem;
@@ -22,6 +26,14 @@ pub struct RequestLimits {
     pub max_headers: usize,
     /// One permit per request in flight.
     pub in_flight: Arc<Semaphore>,
+    pub max_concurrent: usize,
+}
+
+/// One request's slot of `server.max_concurrent_requests`, given back when the last
+/// clone is dropped.
+#[derive(Debug, Clone)]
+pub struct Slot {
+    _permit: Arc<OwnedSemaphorePermit>,
 }
 
 impl RequestLimits {
@@ -30,7 +42,13 @@ impl RequestLimits {
             max_header_bytes,
             max_headers,
             in_flight: Arc::new(Semaphore::new(max_concurrent)),
+            max_concurrent,
         }
+    }
+
+    /// Requests (and the work they started) holding a slot now.
+    pub fn in_use(&self) -> usize {
+        self.max_concurrent - self.in_flight.available_permits()
     }
 
     /// Why the head is refused, if it is.
@@ -78,9 +96,13 @@ pub async fn enforce(State(app): State<Arc<AppState>>, request: Request, next: N
     if exempt(request.uri().path()) {
         return next.run(request).await;
     }
-    let Ok(_permit) = limits.in_flight.clone().try_acquire_owned() else {
+    let Ok(permit) = limits.in_flight.clone().try_acquire_owned() else {
         return refuse(Problem::Overloaded);
     };
+    let mut request = request;
+    request.extensions_mut().insert(Slot {
+        _permit: Arc::new(permit),
+    });
     next.run(request).await
 }
 

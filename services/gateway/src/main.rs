@@ -102,10 +102,19 @@ enum KeysAction {
         json: bool,
     },
     /// Release an in-progress key so the next request executes. Do this only once you
-    /// know the upstream did not act (or you accept that it may act again).
+    /// know the upstream did not act (or you accept that it may act again). Only the
+    /// attempt `keys show` printed is released, and only once its lease is over.
     Release {
         #[command(flatten)]
         key: KeyArgs,
+        /// The attempt to release, as `keys show` printed it: if another attempt owns the
+        /// key by now, nothing changes.
+        #[arg(long)]
+        attempt: uuid::Uuid,
+        /// Release even inside the attempt's lease (it may still be running: its upstream
+        /// call can still act, and a retry would act again).
+        #[arg(long)]
+        force: bool,
         /// Why, for the log line every release writes (with who ran it).
         #[arg(long)]
         reason: String,
@@ -202,30 +211,54 @@ async fn run(command: Command) -> anyhow::Result<()> {
                     }
                     Ok(())
                 }
-                KeysAction::Release { key, reason } => {
+                KeysAction::Release {
+                    key,
+                    attempt,
+                    force,
+                    reason,
+                } => {
                     let scope = key.scope()?;
                     if config.routes.by_endpoint(&scope.endpoint).is_none() {
                         tracing::warn!(endpoint = %scope.endpoint, "no configured route has this endpoint");
                     }
-                    let by = std::env::var("USER").unwrap_or_else(|_| "unknown".into());
-                    match ledger.release_attempt(&scope, None).await? {
-                        idem_core::Fence::Held => {
+                    let attempt = idem_core::AttemptId(attempt);
+                    let named = format!("{} {:?} {}", scope.tenant, scope.endpoint, scope.key);
+                    use idem_postgres::OperatorRelease as R;
+                    match ledger.release_by_operator(&scope, attempt, force).await? {
+                        R::Released { forced } => {
+                            let by = std::env::var("USER").unwrap_or_else(|_| "unknown".into());
                             tracing::warn!(
                                 tenant.id = %scope.tenant,
                                 idempotency.endpoint = %scope.endpoint,
                                 idempotency.key = %scope.key,
+                                idempotency.attempt = %attempt,
+                                forced,
                                 operator = %by,
                                 %reason,
-                                "key released by an operator"
+                                "key released by an operator{}",
+                                if forced { " (forced, inside its lease)" } else { "" }
                             );
-                            println!("released");
+                            println!(
+                                "released {named}, attempt {attempt}{}",
+                                if forced {
+                                    ", inside its lease (forced: that attempt may still act)"
+                                } else {
+                                    ""
+                                }
+                            );
                             Ok(())
                         }
-                        idem_core::Fence::Lost => anyhow::bail!(
-                            "no in-progress record for {} {:?} {} (completed keys are not released)",
-                            scope.tenant,
-                            scope.endpoint,
-                            scope.key
+                        R::Absent => anyhow::bail!("no record for {named}; nothing changed"),
+                        R::Completed => anyhow::bail!(
+                            "{named} is completed: completed keys are never released; nothing changed"
+                        ),
+                        R::OtherAttempt { current } => anyhow::bail!(
+                            "attempt {attempt} no longer owns {named}: attempt {current} does now (see `keys show`); nothing changed"
+                        ),
+                        R::InsideLease { until } => anyhow::bail!(
+                            "attempt {attempt} may still be running: its lease lasts until {}; pass --force to release it anyway (the upstream may still act, and a retry would act again); nothing changed",
+                            until.map_or("-".to_owned(), |t| t
+                                .to_rfc3339_opts(chrono::SecondsFormat::Millis, true))
                         ),
                     }
                 }
@@ -236,6 +269,25 @@ async fn run(command: Command) -> anyhow::Result<()> {
             let auth = idem_auth::Authenticator::from_config(&config.auth)?;
             for warning in auth.warnings() {
                 eprintln!("warning: {warning}");
+            }
+            // Against the ledger when it can be reached: a route must not rename an
+            // endpoint keys are stored under.
+            let stored = match admin_pool(&config).await {
+                Ok(pool) => idem_postgres::PgLedger::new(pool, ADMIN_TIMEOUT)
+                    .stored_endpoints()
+                    .await
+                    .map_err(anyhow::Error::new),
+                Err(e) => Err(e),
+            };
+            match stored {
+                Ok(stored) => config
+                    .routes
+                    .check_renames(stored.iter().map(String::as_str))
+                    .map_err(anyhow::Error::msg)
+                    .context("routes")?,
+                Err(e) => eprintln!(
+                    "note: endpoints stored in the ledger not checked against the routes: {e:#}"
+                ),
             }
             println!(
                 "{}: OK ({} route(s): {})",

@@ -9,18 +9,26 @@
 //!   431 with a problem body at the exact limits. (hyper cannot be asked for a body on
 //!   its own refusals, and it must not buffer unbounded heads to let us decide.)
 //!
-//! `axum::serve` sets neither (it builds hyper without a timer), which is why this
+//! - A write of an answer that the client accepts none of for
+//!   `server.response_write_timeout` closes the connection ([`WriteTimeout`]): a client
+//!   that asks and never reads holds its answer's memory that long at most.
+//!
+//! `axum::serve` sets none of these (it builds hyper without a timer), which is why this
 //! module exists.
 
 use std::future::Future;
-use std::pin::pin;
+use std::io;
+use std::pin::{Pin, pin};
+use std::task::{Context, Poll};
 use std::time::Duration;
 
 use axum::Router;
 use hyper_util::rt::{TokioIo, TokioTimer};
 use hyper_util::service::TowerToHyperService;
-use tokio::net::TcpListener;
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::watch;
+use tokio::time::Sleep;
 
 /// The connection-level limits.
 #[derive(Debug, Clone, Copy)]
@@ -28,6 +36,7 @@ pub struct Limits {
     pub header_read_timeout: Duration,
     pub max_header_bytes: usize,
     pub max_headers: usize,
+    pub response_write_timeout: Duration,
 }
 
 /// Serves `router` on `listener` until `shutdown` resolves; then stops accepting, asks
@@ -65,6 +74,7 @@ pub async fn serve(
         };
         let _ = stream.set_nodelay(true);
         let service = TowerToHyperService::new(router.clone());
+        let stream = WriteTimeout::new(stream, limits.response_write_timeout);
         let connection = http.serve_connection(TokioIo::new(stream), service);
         let mut stop = stop_rx.clone();
         let done = done_tx.subscribe();
@@ -89,4 +99,90 @@ pub async fn serve(
     drop(listener);
     drop(stop_tx);
     done_tx.closed().await;
+}
+
+/// A connection whose writes fail once one has waited `timeout` for the client to take
+/// any of it (its receive window stayed full): hyper then closes the connection. A
+/// client reading slowly but steadily is never cut off; one that stopped reading is.
+struct WriteTimeout {
+    io: TcpStream,
+    timeout: Duration,
+    /// Running while a write waits for the client.
+    stalled: Option<Pin<Box<Sleep>>>,
+}
+
+impl WriteTimeout {
+    fn new(io: TcpStream, timeout: Duration) -> Self {
+        Self {
+            io,
+            timeout,
+            stalled: None,
+        }
+    }
+
+    /// After the socket's answer to a write: on `Pending`, start (or check) the clock.
+    fn watch<T>(
+        &mut self,
+        cx: &mut Context<'_>,
+        polled: Poll<io::Result<T>>,
+    ) -> Poll<io::Result<T>> {
+        if polled.is_ready() {
+            self.stalled = None;
+            return polled;
+        }
+        let timeout = self.timeout;
+        let stalled = self
+            .stalled
+            .get_or_insert_with(|| Box::pin(tokio::time::sleep(timeout)));
+        match stalled.as_mut().poll(cx) {
+            Poll::Ready(()) => Poll::Ready(Err(io::Error::new(
+                io::ErrorKind::TimedOut,
+                format!("the client took none of the answer for {timeout:?}"),
+            ))),
+            Poll::Pending => Poll::Pending,
+        }
+    }
+}
+
+impl AsyncRead for WriteTimeout {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.io).poll_read(cx, buf)
+    }
+}
+
+impl AsyncWrite for WriteTimeout {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        let polled = Pin::new(&mut self.io).poll_write(cx, buf);
+        self.watch(cx, polled)
+    }
+
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        let polled = Pin::new(&mut self.io).poll_write_vectored(cx, bufs);
+        self.watch(cx, polled)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.io.is_write_vectored()
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        let polled = Pin::new(&mut self.io).poll_flush(cx);
+        self.watch(cx, polled)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.io).poll_shutdown(cx)
+    }
 }

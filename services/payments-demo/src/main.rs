@@ -5,7 +5,9 @@
 //!
 //! - `POST /payments` `{"orderId": "…", "amountUah": 100}` → 201, one `demo_payments` row
 //! - `POST /refunds` `{"paymentId": "…", "amountUah": 50}` → 201, one `demo_refunds` row
-//! - `GET /payments/by-key/{key}`, `GET /refunds/by-key/{key}` → 200 with the same body, or 404
+//! - `GET /payments/by-key/{key}`, `GET /refunds/by-key/{key}` → 200 with the same body, or 404;
+//!   with `Idempotency-Attempt`, only the operation that attempt made (each row keeps the
+//!   `Idempotency-Attempt` it arrived with, in `idempotency_attempt`)
 //! - `X-Demo-Delay-Ms: N` sleeps after the insert committed; `X-Demo-Fail: 500` answers
 //!   500 without inserting.
 //!
@@ -47,6 +49,9 @@ const SCHEMA: &[&str] = &[
         amount_uah bigint NOT NULL,
         created_at timestamptz NOT NULL DEFAULT clock_timestamp())",
     "CREATE INDEX IF NOT EXISTS demo_refunds_key_idx ON demo_refunds (tenant_id, idempotency_key)",
+    // Added later: tables made by an older demo gain it in place.
+    "ALTER TABLE demo_payments ADD COLUMN IF NOT EXISTS idempotency_attempt text",
+    "ALTER TABLE demo_refunds ADD COLUMN IF NOT EXISTS idempotency_attempt text",
 ];
 
 /// The two kinds of operation the demo performs; they differ only in names.
@@ -189,15 +194,20 @@ async fn create(
         return problem(StatusCode::UNPROCESSABLE_ENTITY, &detail);
     };
     let key = headers.get("idempotency-key").and_then(|v| v.to_str().ok());
+    let attempt = headers
+        .get("idempotency-attempt")
+        .and_then(|v| v.to_str().ok());
     let id = Uuid::new_v4();
     let sql = format!(
-        "INSERT INTO {} (id, tenant_id, idempotency_key, {}, amount_uah) VALUES ($1, $2, $3, $4, $5)",
+        "INSERT INTO {} (id, tenant_id, idempotency_key, idempotency_attempt, {}, amount_uah) \
+         VALUES ($1, $2, $3, $4, $5, $6)",
         kind.table, kind.ref_column
     );
     let inserted = sqlx::query(sqlx::AssertSqlSafe(sql))
         .bind(id)
         .bind(&tenant)
         .bind(key)
+        .bind(attempt)
         .bind(reference)
         .bind(amount)
         .execute(&pool)
@@ -241,14 +251,22 @@ async fn by_key(
     let Some(tenant) = tenant(&headers) else {
         return problem(StatusCode::BAD_REQUEST, "X-Tenant-Id is required");
     };
+    // With an attempt, only the operation that attempt made: an earlier life of the key
+    // (its record at the gateway expired, the key was used again) is another operation.
+    let attempt = headers
+        .get("idempotency-attempt")
+        .and_then(|v| v.to_str().ok());
     let sql = format!(
         "SELECT id, {} AS reference, amount_uah FROM {} \
-         WHERE tenant_id = $1 AND idempotency_key = $2 ORDER BY created_at LIMIT 1",
+         WHERE tenant_id = $1 AND idempotency_key = $2 \
+           AND ($3::text IS NULL OR idempotency_attempt = $3) \
+         ORDER BY created_at LIMIT 1",
         kind.ref_column, kind.table
     );
     match sqlx::query(sqlx::AssertSqlSafe(sql))
         .bind(&tenant)
         .bind(&key)
+        .bind(attempt)
         .fetch_optional(&pool)
         .await
     {

@@ -14,7 +14,7 @@ use idem_core::{Fence, LedgerError, StoredResponse};
 use idem_postgres::{Later, StuckRow};
 use idem_telemetry::propagation;
 use idem_upstream::Forwarded;
-use idem_upstream::headers::{IDEMPOTENCY_KEY, X_TENANT_ID, to_stored};
+use idem_upstream::headers::{IDEMPOTENCY_ATTEMPT, IDEMPOTENCY_KEY, X_TENANT_ID, to_stored};
 use tracing::Instrument;
 
 use crate::Reconciler;
@@ -84,10 +84,7 @@ impl Reconciler {
                 );
             }
             Resolution::Release(why) => {
-                let fence = self
-                    .ledger
-                    .release_attempt(scope, Some(row.attempt))
-                    .await?;
+                let fence = self.ledger.release_attempt(scope, row.attempt).await?;
                 let (counter, what) = match why {
                     Released::NotFoundTwice => (
                         &self.stats.released,
@@ -136,8 +133,10 @@ impl Reconciler {
     ) -> (ProbeAnswer, Option<StoredResponse>) {
         match self.send_probe(route, probe, row).await {
             Forwarded::Answered(answer) if answer.status.is_success() => {
+                // What the first client would have seen, where the route says so.
+                let status = route.probe_status.unwrap_or(answer.status.as_u16());
                 let stored = to_stored(
-                    answer.status.as_u16(),
+                    status,
                     &answer.headers,
                     answer.body.full().cloned(),
                     route.store_set_cookie,
@@ -161,9 +160,11 @@ impl Reconciler {
 
     /// Sends the route's status probe for this row.
     async fn send_probe(&self, route: &Route, probe: &Probe, row: &StuckRow) -> Forwarded {
+        let attempt = row.attempt.to_string();
         let path = probe
             .path
-            .replace("{key}", &percent_encode(row.scope.key.as_str()));
+            .replace("{key}", &percent_encode(row.scope.key.as_str()))
+            .replace("{attempt}", &attempt);
         let uri = match route.upstream.uri_for(&path) {
             Ok(uri) => uri,
             Err(e) => return Forwarded::NotSent(idem_upstream::NotSent::Uri(e)),
@@ -180,6 +181,11 @@ impl Reconciler {
         }
         if let Ok(key) = HeaderValue::from_str(row.scope.key.as_str()) {
             headers.insert(IDEMPOTENCY_KEY, key);
+        }
+        // This life of the key only: an operation an earlier attempt made under the same
+        // key (its record since expired) is not this one's.
+        if let Ok(attempt) = HeaderValue::from_str(&attempt) {
+            headers.insert(IDEMPOTENCY_ATTEMPT, attempt);
         }
         idem_upstream::forward(
             &self.client,

@@ -539,18 +539,29 @@ async fn operators_can_list_show_and_release_a_held_key() {
         (json["state"].as_str(), json["key"].as_str()),
         (Some("held"), Some(key))
     );
+    let attempt = json["attempt"].as_str().unwrap();
 
-    let (ok, _, err) = idemgate(&[&["keys", "release", "--config", path][..], &scope].concat());
+    let (ok, _, err) = idemgate(
+        &[
+            &["keys", "release", "--config", path][..],
+            &scope,
+            &["--attempt", attempt],
+        ]
+        .concat(),
+    );
     assert!(!ok && err.contains("--reason"), "a release says why: {err}");
     let release = [
         &["keys", "release", "--config", path][..],
         &scope,
-        &["--reason", "ticket 42: never charged"],
+        &["--reason", "ticket 42: never charged", "--attempt", attempt],
     ]
     .concat();
     let (ok, out, err) = idemgate(&release);
     assert!(ok, "{err}");
-    assert_eq!(out.trim(), "released");
+    assert!(
+        out.starts_with("released") && out.contains(attempt),
+        "{out}"
+    );
     assert!(
         err.contains("released by an operator") && err.contains("ticket 42"),
         "{err}"

@@ -1,0 +1,225 @@
+//! The claim, and the read of a live row.
+//!
+//! A claim reads the live row first, by a plain read: a replay (or a retry of a key in
+//! progress) takes no row lock, gets no transaction id and writes no WAL. Only a claim
+//! that sees no live row upserts: it inserts, takes over an expired completed row, or —
+//! a row committed concurrently, after the statement's snapshot — does nothing, and its
+//! caller reads again. Claims are written in groups ([`crate::group`]): a statement over
+//! arrays, one element per claim, each learning its own outcome.
+//!
+//! A claim whose request stopped waiting before its statement answered is released as
+//! soon as the statement returns, whatever it did ([`Batch::abandoned`]), so the key is
+//! never left held for a request that never ran.
+
+use std::time::Duration;
+
+use idem_core::{Claim, LedgerError, Scope};
+use sqlx::postgres::PgRow;
+use sqlx::{PgConnection, PgPool, Row};
+use uuid::Uuid;
+
+use super::row::{self, Found};
+use super::{PgLedger, column, millis, rules};
+use crate::group::Batch;
+
+/// For each claim of the arrays $1..$8 (tenant, endpoint, key, request hash, attempt,
+/// lease ms, trace context, TTL ms), in order: inserts the row, or takes over one that is
+/// not live (completed and expired); else returns the live row.
+pub const CLAIM_SQL: &str = concat!(
+    "WITH i AS (\
+       SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::bytea[], $5::uuid[], \
+                            $6::float8[], $7::text[], $8::float8[]) WITH ORDINALITY \
+         AS i(tenant_id, endpoint, key, request_hash, attempt, lease_ms, trace_context, \
+              ttl_ms, n)), ",
+    // The live rows, by a plain read first; only the claims with no live row visible
+    // upsert. In the order of the arrays, which is scope order: row locks are taken in
+    // one order everywhere.
+    "seen AS (\
+       SELECT i.n, k.* FROM i CROSS JOIN LATERAL (\
+         SELECT k.* FROM idempotency_keys AS k \
+         WHERE k.tenant_id = i.tenant_id AND k.endpoint = i.endpoint AND k.key = i.key AND ",
+    rules::live!(),
+    // OFFSET 0 keeps the lookup a subquery of its own, run per claim by the key's index,
+    // rather than flattened into a join the planner may answer by scanning live rows.
+    " OFFSET 0) AS k), ",
+    // A key twice in the arrays (a double click, a retry) upserts once, by its first
+    // claim; the later ones read the row again (it may not be visible to this statement).
+    "claimed AS (\
+       INSERT INTO idempotency_keys AS k \
+         (tenant_id, endpoint, key, request_hash, status, attempt, locked_until, \
+          trace_context, created_at, expires_at) \
+       SELECT i.tenant_id, i.endpoint, i.key, i.request_hash, 'in_progress', i.attempt, \
+          now() + i.lease_ms * interval '1 millisecond', i.trace_context, now(), \
+          now() + i.ttl_ms * interval '1 millisecond' \
+       FROM i WHERE NOT EXISTS (SELECT 1 FROM seen WHERE seen.n = i.n) \
+         AND NOT EXISTS (SELECT 1 FROM i AS earlier WHERE earlier.n < i.n \
+           AND earlier.tenant_id = i.tenant_id AND earlier.endpoint = i.endpoint \
+           AND earlier.key = i.key) \
+       ORDER BY i.n \
+       ON CONFLICT (tenant_id, endpoint, key) DO UPDATE SET \
+          request_hash = EXCLUDED.request_hash, status = 'in_progress', \
+          attempt = EXCLUDED.attempt, locked_until = EXCLUDED.locked_until, \
+          response_status = NULL, response_headers = NULL, response_body = NULL, \
+          response_omitted = false, held_since = NULL, first_not_found_at = NULL, \
+          probe_attempts = 0, \
+          trace_context = EXCLUDED.trace_context, created_at = EXCLUDED.created_at, \
+          completed_at = NULL, expires_at = EXCLUDED.expires_at \
+       WHERE NOT ",
+    rules::live!(),
+    " RETURNING k.attempt) \
+     SELECT i.attempt IN (SELECT attempt FROM claimed) AS claimed, ",
+    rules::record_columns!(),
+    " FROM i LEFT JOIN seen AS k ON k.n = i.n ORDER BY i.n"
+);
+
+/// The live row of one scope ($1, $2, $3).
+pub const GET_SQL: &str = concat!(
+    "SELECT ",
+    rules::record_columns!(),
+    " FROM idempotency_keys AS k \
+     WHERE k.tenant_id = $1 AND k.endpoint = $2 AND k.key = $3 AND ",
+    rules::live!()
+);
+
+/// Releases the claims of the arrays $1..$4 (tenant, endpoint, key, attempt) whose
+/// requests gave up before their statement answered: each only if still in progress
+/// under its attempt.
+pub const UNDO_SQL: &str = "DELETE FROM idempotency_keys AS k \
+     USING unnest($1::text[], $2::text[], $3::text[], $4::uuid[]) AS u(tenant_id, endpoint, key, attempt) \
+     WHERE k.tenant_id = u.tenant_id AND k.endpoint = u.endpoint AND k.key = u.key \
+       AND k.attempt = u.attempt AND k.status = 'in_progress'";
+
+/// One claim as its pipe queues it.
+#[derive(Debug)]
+pub(crate) struct ClaimRow {
+    scope: Scope,
+    fingerprint: [u8; 32],
+    attempt: Uuid,
+    lease_ms: f64,
+    trace_context: Option<String>,
+    ttl_ms: f64,
+}
+
+impl ClaimRow {
+    pub(crate) fn of(c: &Claim<'_>) -> Self {
+        Self {
+            scope: c.scope.clone(),
+            fingerprint: *c.fingerprint.as_bytes(),
+            attempt: c.attempt.0,
+            lease_ms: millis(c.lease),
+            trace_context: c.trace_context.map(str::to_owned),
+            ttl_ms: millis(c.ttl),
+        }
+    }
+}
+
+/// What one claim of a statement found.
+#[derive(Debug)]
+pub(crate) enum Seen {
+    /// This attempt owns the row now.
+    Claimed,
+    /// The live row (another attempt's).
+    Row(Found),
+}
+
+/// Claims, grouped: [`CLAIM_SQL`] over arrays, one element per claim.
+#[derive(Debug)]
+pub(crate) struct Claims;
+
+impl Batch for Claims {
+    type Row = ClaimRow;
+    /// Claimed, the live row, or `None` when it conflicted with a row it could not see
+    /// (committed after its snapshot): read again. A row that does not decode fails
+    /// only its own request.
+    type Outcome = Result<Option<Seen>, LedgerError>;
+    const OPERATION: &'static str = "claim";
+    const SKIP_ABANDONED: bool = true;
+    const ONE_PER_SCOPE: bool = false;
+
+    fn scope(row: &ClaimRow) -> &Scope {
+        &row.scope
+    }
+
+    async fn write(
+        conn: &mut PgConnection,
+        rows: &[&ClaimRow],
+    ) -> Result<Vec<Self::Outcome>, sqlx::Error> {
+        let answers = sqlx::query(CLAIM_SQL)
+            .bind(column(rows, |r| r.scope.tenant.as_str()))
+            .bind(column(rows, |r| r.scope.endpoint.as_str()))
+            .bind(column(rows, |r| r.scope.key.as_str()))
+            .bind(column(rows, |r| &r.fingerprint[..]))
+            .bind(column(rows, |r| r.attempt))
+            .bind(column(rows, |r| r.lease_ms))
+            .bind(column(rows, |r| r.trace_context.as_deref()))
+            .bind(column(rows, |r| r.ttl_ms))
+            .fetch_all(conn)
+            .await?;
+        Ok(answers.iter().map(claim_outcome).collect())
+    }
+
+    /// Releases every claim this statement made (or may have made) for a request that
+    /// no longer waits for it.
+    async fn abandoned(pool: &PgPool, rows: &[(&ClaimRow, Option<&Self::Outcome>)]) {
+        let claimed: Vec<&ClaimRow> = rows
+            .iter()
+            .filter(|(_, outcome)| match outcome {
+                Some(Ok(Some(Seen::Claimed))) | None => true,
+                Some(_) => false,
+            })
+            .map(|(row, _)| *row)
+            .collect();
+        if claimed.is_empty() {
+            return;
+        }
+        let undo = sqlx::query(UNDO_SQL)
+            .bind(column(&claimed, |r| r.scope.tenant.as_str()))
+            .bind(column(&claimed, |r| r.scope.endpoint.as_str()))
+            .bind(column(&claimed, |r| r.scope.key.as_str()))
+            .bind(column(&claimed, |r| r.attempt))
+            .execute(pool);
+        match tokio::time::timeout(UNDO_TIMEOUT, undo).await {
+            Ok(Ok(done)) if done.rows_affected() > 0 => tracing::warn!(
+                released = done.rows_affected(),
+                "claims committed after their requests gave up were released"
+            ),
+            Ok(Ok(_)) => {}
+            Ok(Err(error)) => {
+                tracing::error!(%error, keys = claimed.len(), "could not release claims whose requests gave up; they stay held for the reconciler")
+            }
+            Err(_) => tracing::error!(
+                keys = claimed.len(),
+                "releasing claims whose requests gave up timed out; they stay held for the reconciler"
+            ),
+        }
+    }
+}
+
+/// How long the release of abandoned claims may take.
+const UNDO_TIMEOUT: Duration = Duration::from_secs(10);
+
+fn claim_outcome(row: &PgRow) -> Result<Option<Seen>, LedgerError> {
+    if row
+        .try_get::<bool, _>("claimed")
+        .map_err(LedgerError::new)?
+    {
+        return Ok(Some(Seen::Claimed));
+    }
+    let seen = row
+        .try_get::<Option<Uuid>, _>("attempt")
+        .map_err(LedgerError::new)?;
+    match seen {
+        Some(_) => Ok(Some(Seen::Row(row::record(row)?))),
+        None => Ok(None),
+    }
+}
+
+impl PgLedger {
+    /// The live row of `scope`, as read (a large body not yet read).
+    pub(crate) async fn read(&self, scope: &Scope) -> Result<Option<Found>, LedgerError> {
+        let row = self
+            .bounded("get", Self::on(GET_SQL, scope).fetch_optional(&self.pool))
+            .await?;
+        row.as_ref().map(row::record).transpose()
+    }
+}

@@ -1,0 +1,122 @@
+//! The completion: the attempt's answer written to its row, fenced by the attempt.
+//! Completions are written in groups ([`crate::group`]), one row per scope per statement.
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use idem_core::{AttemptId, Fence, Scope, StoredResponse};
+use sqlx::PgConnection;
+use uuid::Uuid;
+
+use super::{CLOSE_AFTER_BYTES, column, millis, rules};
+use crate::group::Batch;
+use crate::headers;
+
+/// For each completion of the arrays $1..$9 (tenant, endpoint, key, attempt, status,
+/// headers, body, TTL ms, body omitted): fenced by its key and attempt alone (not by
+/// status), so that repeating a completion whose reply was lost finds its own row again
+/// instead of reporting a lost fence. Returns the positions of the rows it changed.
+///
+/// The rows are locked first, in the order of the arrays (scope order), as claims lock
+/// them. The update then finds each row by its key again, never by where the row was
+/// when it was locked: a row another statement updated meanwhile (the reconciler's defer
+/// at lease end, the same completion repeated) has moved, and the update re-checks the
+/// row's newest version against the key and the attempt.
+pub const COMPLETE_SQL: &str = "WITH i AS (\
+       SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::uuid[], $5::int4[], \
+                            $6::jsonb[], $7::bytea[], $8::float8[], $9::bool[]) \
+         WITH ORDINALITY AS i(tenant_id, endpoint, key, attempt, status, headers, body, \
+                              ttl_ms, omitted, n)), \
+     mine AS MATERIALIZED (\
+       SELECT i.* FROM i CROSS JOIN LATERAL (\
+         SELECT 1 FROM idempotency_keys AS k \
+         WHERE k.tenant_id = i.tenant_id AND k.endpoint = i.endpoint AND k.key = i.key \
+           AND k.attempt = i.attempt \
+         FOR UPDATE) AS locked) \
+     UPDATE idempotency_keys AS k SET status = 'completed', \
+       response_status = mine.status, response_headers = mine.headers, \
+       response_body = mine.body, response_omitted = mine.omitted, completed_at = now(), \
+       locked_until = NULL, held_since = NULL, \
+       expires_at = now() + mine.ttl_ms * interval '1 millisecond' \
+     FROM mine WHERE k.tenant_id = mine.tenant_id AND k.endpoint = mine.endpoint \
+       AND k.key = mine.key AND k.attempt = mine.attempt \
+     RETURNING mine.n";
+
+/// One completion as its pipe queues it.
+#[derive(Debug)]
+pub(crate) struct CompleteRow {
+    scope: Scope,
+    attempt: Uuid,
+    status: i32,
+    headers: serde_json::Value,
+    body: Bytes,
+    ttl_ms: f64,
+    omitted: bool,
+}
+
+impl CompleteRow {
+    pub(crate) fn of(
+        scope: &Scope,
+        attempt: AttemptId,
+        response: &StoredResponse,
+        ttl: Duration,
+    ) -> Self {
+        Self {
+            scope: scope.clone(),
+            attempt: attempt.0,
+            status: i32::from(response.status),
+            headers: headers::encode(&response.headers),
+            body: response.body.clone(),
+            ttl_ms: millis(ttl),
+            omitted: response.body_omitted,
+        }
+    }
+}
+
+/// Completions, grouped: [`COMPLETE_SQL`] over arrays, each row fenced by its attempt.
+#[derive(Debug)]
+pub(crate) struct Completions;
+
+impl Batch for Completions {
+    type Row = CompleteRow;
+    type Outcome = Fence;
+    const OPERATION: &'static str = "complete";
+    const SKIP_ABANDONED: bool = false;
+    const ONE_PER_SCOPE: bool = true;
+
+    fn scope(row: &CompleteRow) -> &Scope {
+        &row.scope
+    }
+
+    fn bytes(row: &CompleteRow) -> usize {
+        row.body.len()
+    }
+
+    /// The connection's write buffer grew to hold these bodies, and sqlx never shrinks
+    /// it: a pool of such connections would keep one large body's worth of memory each.
+    fn close_after(rows: &[&CompleteRow]) -> bool {
+        rows.iter().map(|r| r.body.len()).sum::<usize>() > CLOSE_AFTER_BYTES
+    }
+
+    async fn write(
+        conn: &mut PgConnection,
+        rows: &[&CompleteRow],
+    ) -> Result<Vec<Fence>, sqlx::Error> {
+        let held: Vec<i64> = sqlx::query_scalar(COMPLETE_SQL)
+            .bind(column(rows, |r| r.scope.tenant.as_str()))
+            .bind(column(rows, |r| r.scope.endpoint.as_str()))
+            .bind(column(rows, |r| r.scope.key.as_str()))
+            .bind(column(rows, |r| r.attempt))
+            .bind(column(rows, |r| r.status))
+            .bind(column(rows, |r| &r.headers))
+            .bind(column(rows, |r| &r.body[..]))
+            .bind(column(rows, |r| r.ttl_ms))
+            .bind(column(rows, |r| r.omitted))
+            .fetch_all(conn)
+            .await?;
+        // The statement returns the (1-based) positions of the rows it changed.
+        Ok((1..=rows.len() as i64)
+            .map(|n| rules::fence(u64::from(held.contains(&n))))
+            .collect())
+    }
+}

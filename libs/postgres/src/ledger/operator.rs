@@ -1,0 +1,212 @@
+//! What `idemgate keys` reads and does: one key as an operator sees it (never its stored
+//! body), the held keys, and a release by hand — of the attempt the operator looked at,
+//! only once its lease is over unless forced. And the endpoints the ledger holds keys
+//! under, for the start-up check that a renamed path parameter does not re-scope keys.
+
+use chrono::{DateTime, Utc};
+use idem_core::{AttemptId, LedgerError, Scope};
+use sqlx::Row;
+use sqlx::postgres::PgRow;
+use uuid::Uuid;
+
+use super::{PgLedger, rules};
+
+macro_rules! key_columns {
+    () => {
+        concat!(
+            "k.tenant_id, k.endpoint, k.key, k.status, k.attempt, k.created_at, k.completed_at, \
+             k.locked_until, k.expires_at, k.held_since, k.response_status, \
+             octet_length(k.response_body) AS response_bytes, k.response_omitted, \
+             k.probe_attempts, k.first_not_found_at, k.trace_context, (",
+            rules::held!(),
+            ") AS held"
+        )
+    };
+}
+
+/// One row, whatever its state ($1, $2, $3).
+pub const SHOW_SQL: &str = concat!(
+    "SELECT ",
+    key_columns!(),
+    " FROM idempotency_keys AS k \
+     WHERE k.tenant_id = $1 AND k.endpoint = $2 AND k.key = $3"
+);
+
+/// The held rows, oldest first, at most $1.
+pub const LIST_HELD_SQL: &str = concat!(
+    "SELECT ",
+    key_columns!(),
+    " FROM idempotency_keys AS k WHERE ",
+    rules::held!(),
+    " ORDER BY k.created_at LIMIT $1"
+);
+
+pub const COUNT_HELD_SQL: &str = concat!(
+    "SELECT count(*) FROM idempotency_keys AS k WHERE ",
+    rules::held!()
+);
+
+/// An operator's release: the in-progress row of the scope $1..$3 owned by the attempt
+/// in $4, only while held (its lease over) unless $5 forces it.
+pub const OPERATOR_RELEASE_SQL: &str = concat!(
+    "DELETE FROM idempotency_keys AS k WHERE ",
+    rules::owned_by_attempt!(),
+    " AND k.status = 'in_progress' AND ((",
+    rules::held!(),
+    ") OR $5) RETURNING (",
+    rules::held!(),
+    ") AS held"
+);
+
+/// Every endpoint the ledger holds keys under, by a loose scan of the primary key (one
+/// index probe per tenant and endpoint, however many keys each has).
+pub const ENDPOINTS_SQL: &str = "WITH RECURSIVE pairs AS (\
+       (SELECT k.tenant_id, k.endpoint FROM idempotency_keys AS k \
+        ORDER BY k.tenant_id, k.endpoint LIMIT 1) \
+       UNION ALL \
+       SELECT next.tenant_id, next.endpoint FROM pairs CROSS JOIN LATERAL (\
+         SELECT k.tenant_id, k.endpoint FROM idempotency_keys AS k \
+         WHERE (k.tenant_id, k.endpoint) > (pairs.tenant_id, pairs.endpoint) \
+         ORDER BY k.tenant_id, k.endpoint LIMIT 1) AS next) \
+     SELECT DISTINCT endpoint FROM pairs ORDER BY endpoint";
+
+/// What an operator sees of one key (never the stored body itself).
+#[derive(Debug, Clone)]
+pub struct KeyInfo {
+    pub tenant: String,
+    pub endpoint: String,
+    pub key: String,
+    pub status: String,
+    pub attempt: Uuid,
+    pub created_at: DateTime<Utc>,
+    pub completed_at: Option<DateTime<Utc>>,
+    pub locked_until: Option<DateTime<Utc>>,
+    pub expires_at: DateTime<Utc>,
+    pub held_since: Option<DateTime<Utc>>,
+    pub response_status: Option<i32>,
+    pub response_bytes: Option<i32>,
+    pub response_omitted: bool,
+    pub probe_attempts: i32,
+    pub first_not_found_at: Option<DateTime<Utc>>,
+    pub trace_context: Option<String>,
+    /// Whether the key waits on the reconciler or a person (the one rule, `held!`).
+    pub held: bool,
+}
+
+/// What an operator's release did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum OperatorRelease {
+    /// Released; `forced` when it was still inside its lease.
+    Released { forced: bool },
+    /// Nothing changed: no record of the key.
+    Absent,
+    /// Nothing changed: the key is completed (completed keys are never released).
+    Completed,
+    /// Nothing changed: another attempt owns the key now.
+    OtherAttempt { current: Uuid },
+    /// Nothing changed: the attempt may still be running, within its lease.
+    InsideLease { until: Option<DateTime<Utc>> },
+}
+
+impl PgLedger {
+    /// How many keys are held: in progress with their lease over, waiting on the
+    /// reconciler or a person.
+    pub async fn count_held(&self) -> Result<i64, LedgerError> {
+        self.bounded(
+            "count_held",
+            sqlx::query_scalar(COUNT_HELD_SQL).fetch_one(&self.pool),
+        )
+        .await
+    }
+
+    /// One key as an operator sees it.
+    pub async fn show(&self, scope: &Scope) -> Result<Option<KeyInfo>, LedgerError> {
+        let row = self
+            .bounded("show", Self::on(SHOW_SQL, scope).fetch_optional(&self.pool))
+            .await?;
+        row.as_ref()
+            .map(key_info)
+            .transpose()
+            .map_err(LedgerError::new)
+    }
+
+    /// Held keys, oldest first, at most `limit`.
+    pub async fn list_held(&self, limit: i64) -> Result<Vec<KeyInfo>, LedgerError> {
+        let rows = self
+            .bounded(
+                "list_held",
+                sqlx::query(LIST_HELD_SQL).bind(limit).fetch_all(&self.pool),
+            )
+            .await?;
+        rows.iter()
+            .map(key_info)
+            .collect::<Result<_, _>>()
+            .map_err(LedgerError::new)
+    }
+
+    /// Releases `attempt`'s in-progress key by an operator's hand: only that attempt,
+    /// and only once its lease is over unless `force`. When nothing changed, says why.
+    pub async fn release_by_operator(
+        &self,
+        scope: &Scope,
+        attempt: AttemptId,
+        force: bool,
+    ) -> Result<OperatorRelease, LedgerError> {
+        let released = self
+            .bounded(
+                "operator_release",
+                Self::on(OPERATOR_RELEASE_SQL, scope)
+                    .bind(attempt.0)
+                    .bind(force)
+                    .fetch_optional(&self.pool),
+            )
+            .await?;
+        if let Some(row) = released {
+            let held: bool = row.try_get("held").map_err(LedgerError::new)?;
+            return Ok(OperatorRelease::Released { forced: !held });
+        }
+        // Nothing changed: read the key again to say why (for the operator only; the
+        // decision was the statement's).
+        Ok(match self.show(scope).await? {
+            None => OperatorRelease::Absent,
+            Some(info) if info.status == "completed" => OperatorRelease::Completed,
+            Some(info) if info.attempt != attempt.0 => OperatorRelease::OtherAttempt {
+                current: info.attempt,
+            },
+            Some(info) => OperatorRelease::InsideLease {
+                until: info.locked_until,
+            },
+        })
+    }
+
+    /// Every endpoint the ledger holds keys under.
+    pub async fn stored_endpoints(&self) -> Result<Vec<String>, LedgerError> {
+        self.bounded(
+            "endpoints",
+            sqlx::query_scalar(ENDPOINTS_SQL).fetch_all(&self.pool),
+        )
+        .await
+    }
+}
+
+fn key_info(r: &PgRow) -> Result<KeyInfo, sqlx::Error> {
+    Ok(KeyInfo {
+        tenant: r.try_get("tenant_id")?,
+        endpoint: r.try_get("endpoint")?,
+        key: r.try_get("key")?,
+        status: r.try_get("status")?,
+        attempt: r.try_get("attempt")?,
+        created_at: r.try_get("created_at")?,
+        completed_at: r.try_get("completed_at")?,
+        locked_until: r.try_get("locked_until")?,
+        expires_at: r.try_get("expires_at")?,
+        held_since: r.try_get("held_since")?,
+        response_status: r.try_get("response_status")?,
+        response_bytes: r.try_get("response_bytes")?,
+        response_omitted: r.try_get("response_omitted")?,
+        probe_attempts: r.try_get("probe_attempts")?,
+        first_not_found_at: r.try_get("first_not_found_at")?,
+        trace_context: r.try_get("trace_context")?,
+        held: r.try_get("held")?,
+    })
+}

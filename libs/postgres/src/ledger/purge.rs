@@ -1,0 +1,33 @@
+//! Deleting completed rows past their expiry, in small batches that skip rows others
+//! hold. An in-progress row is never purged, whatever its TTL.
+
+use idem_core::LedgerError;
+
+use super::{PgLedger, rules};
+
+/// Deletes up to $1 rows that are not live (completed and expired), oldest first.
+pub const PURGE_SQL: &str = concat!(
+    "DELETE FROM idempotency_keys AS gone \
+     USING (SELECT k.tenant_id, k.endpoint, k.key FROM idempotency_keys AS k \
+            WHERE NOT ",
+    rules::live!(),
+    " ORDER BY k.expires_at \
+            LIMIT $1 \
+            FOR UPDATE SKIP LOCKED) expired \
+     WHERE gone.tenant_id = expired.tenant_id AND gone.endpoint = expired.endpoint \
+       AND gone.key = expired.key"
+);
+
+impl PgLedger {
+    /// Deletes up to `limit` completed rows past their expiry and returns how many. Rows
+    /// another transaction holds are skipped, never waited for.
+    pub async fn purge_batch(&self, limit: i64) -> Result<u64, LedgerError> {
+        let result = self
+            .bounded(
+                "purge",
+                sqlx::query(PURGE_SQL).bind(limit).execute(&self.pool),
+            )
+            .await?;
+        Ok(result.rows_affected())
+    }
+}

@@ -1,0 +1,91 @@
+//! The row's life: its states, who moves it between them, and the rules every statement
+//! on it is written with, spelled out once as SQL fragments (`live!`, `lease_over!`,
+//! `held!`, `owned_by_attempt!`) that the statement families of the sibling modules
+//! put together.
+//!
+//! | from | to | statement | run by |
+//! | --- | --- | --- | --- |
+//! | absent, or completed past `expires_at` | in progress | [`CLAIM_SQL`] | gateway |
+//! | in progress | completed | [`COMPLETE_SQL`] (fenced by its attempt) | gateway |
+//! | in progress | in progress, lease ended (uncertain 5xx) | [`HOLD_SQL`] (fenced) | gateway |
+//! | in progress | absent | [`RELEASE_SQL`] (fenced by the attempt) | gateway, reconciler |
+//! | in progress | absent | [`OPERATOR_RELEASE_SQL`] (the attempt shown, held unless forced) | `keys release` |
+//! | in progress, lease ended | in progress, taken for a while | [`TAKE_SQL`] | reconciler |
+//! | in progress | completed, fresh attempt | [`RESOLVE_SQL`] (fenced) | reconciler |
+//! | in progress | in progress, looked at again later | [`DEFER_SQL`] (fenced) | reconciler |
+//! | completed past `expires_at` | absent | [`PURGE_SQL`] | reconciler |
+//!
+//! - An in-progress row never expires, whatever its TTL: it leaves that state only by a
+//!   completion, a resolution or a release, never by time (held keys never lapse).
+//! - Every write that ends an attempt names it: the row's key **and** its attempt token
+//!   (`owned_by_attempt!`), never a physical row address, so a write that waited on
+//!   another statement's update of the row still finds it, and a late writer changes
+//!   nothing. The reconciler installs a fresh token when it resolves a row, which fences
+//!   out the original gateway.
+//! - A lease is judged by Postgres's clock alone (`now()`), which wrote every timestamp.
+//!
+//! [`CLAIM_SQL`]: super::claim::CLAIM_SQL
+//! [`COMPLETE_SQL`]: super::complete::COMPLETE_SQL
+//! [`HOLD_SQL`]: super::release::HOLD_SQL
+//! [`RELEASE_SQL`]: super::release::RELEASE_SQL
+//! [`OPERATOR_RELEASE_SQL`]: super::operator::OPERATOR_RELEASE_SQL
+//! [`TAKE_SQL`]: super::reconcile::TAKE_SQL
+//! [`RESOLVE_SQL`]: super::reconcile::RESOLVE_SQL
+//! [`DEFER_SQL`]: super::reconcile::DEFER_SQL
+//! [`PURGE_SQL`]: super::purge::PURGE_SQL
+
+use idem_core::Fence;
+
+/// A live row: in progress (never expired, whatever its TTL), or completed and not yet
+/// expired.
+macro_rules! live {
+    () => {
+        "(k.status = 'in_progress' OR k.expires_at > now())"
+    };
+}
+/// The first attempt's lease is over: the reconciler may act.
+macro_rules! lease_over {
+    () => {
+        "k.locked_until <= now()"
+    };
+}
+/// A held row: in progress with its lease over, or taken by the reconciler before.
+macro_rules! held {
+    () => {
+        concat!(
+            "k.status = 'in_progress' AND (k.held_since IS NOT NULL OR ",
+            $crate::ledger::rules::lease_over!(),
+            ")"
+        )
+    };
+}
+/// The row of the statement's scope ($1, $2, $3), fenced by the attempt in $4.
+macro_rules! owned_by_attempt {
+    () => {
+        "k.tenant_id = $1 AND k.endpoint = $2 AND k.key = $3 AND k.attempt = $4"
+    };
+}
+/// What the engine reads of a live row: a body only up to [`super::bodies::INLINE`]
+/// bytes (larger ones are read on their own, once per scope: [`super::bodies`]).
+macro_rules! record_columns {
+    () => {
+        concat!(
+            "k.request_hash, k.status, k.attempt, (coalesce(",
+            $crate::ledger::rules::lease_over!(),
+            ", false) OR k.held_since IS NOT NULL) AS lease_expired, \
+             k.response_status, k.response_headers, \
+             CASE WHEN octet_length(k.response_body) <= 65536 THEN k.response_body END \
+               AS response_body, \
+             octet_length(k.response_body) AS response_bytes, k.response_omitted, \
+             k.trace_context, \
+             (extract(epoch from (k.expires_at - now())) * 1000)::float8 AS expires_in_ms"
+        )
+    };
+}
+
+pub(crate) use {held, lease_over, live, owned_by_attempt, record_columns};
+
+/// A fenced write held its row if it changed exactly one.
+pub(crate) fn fence(rows: u64) -> Fence {
+    if rows == 1 { Fence::Held } else { Fence::Lost }
+}

@@ -1,0 +1,147 @@
+//! Completions against real Postgres: fenced by their attempt, grouped, and kind to
+//! the pool's memory.
+
+mod common;
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use common::*;
+use idem_core::{AttemptId, ClaimResult, Fence, Ledger, RecordState, StoredResponse};
+use idem_postgres::PgLedger;
+use idem_testkit::TestDb;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_completion_after_the_reconciler_resolved_the_row_is_fenced_out() {
+    let db = TestDb::create().await;
+    let ledger = ledger(&db).await;
+    let scope = scope("fenced");
+    let (attempt, claimed) = claim(&ledger, &scope, Duration::from_millis(1)).await;
+    assert!(matches!(claimed, ClaimResult::Claimed));
+    // Real time: Postgres's clock judges the 1 ms lease.
+    tokio::time::sleep(Duration::from_millis(20)).await;
+
+    let stuck = ledger
+        .take_stuck(10, Duration::from_secs(30))
+        .await
+        .unwrap();
+    assert_eq!(stuck.len(), 1);
+    assert_eq!(stuck[0].attempt, attempt);
+    let fence = ledger
+        .resolve(&stuck[0], &response("probe"), Duration::from_secs(60))
+        .await
+        .unwrap();
+    assert_eq!(fence, Fence::Held);
+
+    // The original attempt wakes up and tries to complete and to release: both lose.
+    assert_eq!(
+        ledger
+            .complete(&scope, attempt, &response("late"), Duration::from_secs(60))
+            .await
+            .unwrap(),
+        Fence::Lost
+    );
+    assert_eq!(ledger.release(&scope, attempt).await.unwrap(), Fence::Lost);
+    let record = ledger.get(&scope).await.unwrap().unwrap();
+    assert_eq!(record.state, RecordState::Completed(response("probe")));
+    assert_eq!(record.trace_context.as_deref(), Some("00-abc-def-01"));
+}
+
+/// sqlx never shrinks a connection's write buffer: one that stored a large body would
+/// keep that much memory for its whole life, in every pooled connection that ever did.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connection_that_stored_a_large_body_is_closed_after_use() {
+    let db = TestDb::create().await;
+    db.migrate().await;
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(1)
+        .connect(&db.url)
+        .await
+        .unwrap();
+    let ledger = PgLedger::new(pool.clone(), Duration::from_secs(5));
+    let backend = || async {
+        sqlx::query_scalar::<_, i32>("SELECT pg_backend_pid()")
+            .fetch_one(&pool)
+            .await
+            .unwrap()
+    };
+    let store = |key: &'static str, bytes: usize| {
+        let ledger = ledger.clone();
+        async move {
+            let scope = scope(key);
+            let (attempt, _) = claim(&ledger, &scope, Duration::from_secs(30)).await;
+            let body = StoredResponse::new(201, Vec::new(), Bytes::from(vec![b'x'; bytes]));
+            let ttl = Duration::from_secs(60);
+            assert_eq!(
+                ledger.complete(&scope, attempt, &body, ttl).await.unwrap(),
+                Fence::Held
+            );
+        }
+    };
+    let first = backend().await;
+    store("small", 100_000).await;
+    assert_eq!(backend().await, first, "a small body keeps its connection");
+    store("large", 2 << 20).await;
+    assert_ne!(
+        backend().await,
+        first,
+        "the large body's connection was closed"
+    );
+}
+
+/// Completions queued together share a statement, each fenced by its own attempt.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn completions_queued_together_are_each_fenced_by_their_own_attempt() {
+    let db = TestDb::create().await;
+    let ledger = one_statement_at_a_time(&db).await;
+    let mut attempts = Vec::new();
+    for key in ["held", "a", "b", "stale"] {
+        let (attempt, claimed) = claim(&ledger, &scope(key), Duration::from_secs(30)).await;
+        assert!(matches!(claimed, ClaimResult::Claimed));
+        attempts.push(attempt);
+    }
+    // Another session holds the row "held" locked: the first completion waits on it.
+    let mut other = db.connect().await;
+    sqlx::query("BEGIN").execute(&mut other).await.unwrap();
+    sqlx::query("SELECT 1 FROM idempotency_keys WHERE key = 'held' FOR UPDATE")
+        .execute(&mut other)
+        .await
+        .unwrap();
+    let complete = |key: &'static str, attempt: AttemptId| {
+        let ledger = ledger.clone();
+        tokio::spawn(async move {
+            let scope = scope(key);
+            let done = response(key);
+            ledger
+                .complete(&scope, attempt, &done, Duration::from_secs(60))
+                .await
+        })
+    };
+    let before = ledger.written().1;
+    let held = complete("held", attempts[0]);
+    until_waiting_on_a_lock(&db).await;
+    let queued = [
+        complete("a", attempts[1]),
+        complete("b", attempts[2]),
+        complete("stale", AttemptId::random()), // an attempt that lost the row
+    ];
+    // Real time: the completions reach the pipe while its statement is held.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    sqlx::query("ROLLBACK").execute(&mut other).await.unwrap();
+    assert_eq!(held.await.unwrap().unwrap(), Fence::Held);
+    let mut fences = Vec::new();
+    for task in queued {
+        fences.push(task.await.unwrap().unwrap());
+    }
+    assert_eq!(fences, [Fence::Held, Fence::Held, Fence::Lost]);
+    let written = ledger.written().1;
+    // The held one alone, then the three together.
+    assert_eq!(written.statements - before.statements, 2, "{written:?}");
+    assert_eq!(written.rows - before.rows, 4, "{written:?}");
+    for key in ["a", "b"] {
+        let record = ledger.get(&scope(key)).await.unwrap().unwrap();
+        assert_eq!(record.state, RecordState::Completed(response(key)));
+    }
+    let stale = ledger.get(&scope("stale")).await.unwrap().unwrap();
+    assert!(matches!(stale.state, RecordState::InProgress { .. }));
+}
