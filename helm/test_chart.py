@@ -30,7 +30,8 @@ BINARY = Path(sys.argv[1] if len(sys.argv) > 1 else os.environ.get("IDEMGATE_BIN
 
 LIMITS = {
     "server": {"max_body_bytes": 1048576, "max_header_bytes": 16384, "max_headers": 100,
-               "header_read_timeout": "10s", "body_read_timeout": "30s", "max_concurrent_requests": 1024},
+               "header_read_timeout": "10s", "body_read_timeout": "30s", "max_concurrent_requests": 1024,
+               "response_write_timeout": "30s"},
     "redis": {"local_cache_bytes": 64 * 1024 * 1024},
     "route": {"max_response_bytes": 10 * 1024 * 1024},
 }
@@ -188,6 +189,8 @@ class ChartTest(unittest.TestCase):
         self.assertEqual(config["redis"]["local_cache_bytes"], LIMITS["redis"]["local_cache_bytes"])
         for route in config["routes"]:
             self.assertEqual(route["max_response_bytes"], LIMITS["route"]["max_response_bytes"])
+        # The chart's own replay budget: half the binary's, to fit its 256Mi memory limit.
+        self.assertEqual(config["server"]["max_replay_bytes_in_flight"], 128 * 1024 * 1024)
 
     def test_rendered_config_passes_check_config(self):
         self.assertTrue(BINARY.exists(), f"{BINARY} missing: build it with cargo build --workspace --bins")

@@ -2,9 +2,15 @@
 """The adversarial client of loadtest/bench: one tenant doing its worst within the limits.
 
     attacker.py serve-big PORT                 the attacker's upstream: /sink reads the body and
-                                               answers 201 {}; anything else gets 4 MiB
+                                               answers 201 {}; /big6 gets 6 MiB; /slow answers
+                                               201 {} after 8 s; anything else gets 4 MiB
     attacker.py attack URL TOKEN SECONDS       worst-case load on a gateway, for SECONDS
     attacker.py cpu URL TOKEN PID [N]          gateway CPU per worst-case 1 MiB body
+    attacker.py replays URL TOKEN N            one 6 MiB answer stored, then N retries of it at once
+    attacker.py non-readers URL TOKEN N SECS   N retries of it that never read, for SECS
+    attacker.py hung-up URL TOKEN OTHER SECS   a held key, then SECS of retries with
+                                               `Prefer: wait=5` that hang up at once, while
+                                               another tenant (token OTHER) pays with new keys
 
 `attack` is one client that sends, one after another on one connection until SECONDS
 have passed, 1 MiB JSON objects of 86,000 members and 1 MiB bodies of objects nested 100 deep (POSTed to /sink, whose upstream
@@ -26,6 +32,7 @@ import sys
 import threading
 import time
 import urllib.parse
+import urllib.request
 import uuid
 
 BODY_LIMIT = 1024 * 1024
@@ -80,13 +87,16 @@ class Client:
 
 def serve_big(port):
     body = bytes(i % 251 for i in range(4 * 1024 * 1024))
+    body6 = bytes(i % 251 for i in range(6 * 1024 * 1024))
 
     class Big(http.server.BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
 
         def do_POST(self):
             self.rfile.read(int(self.headers.get("content-length", 0)))
-            answer = b"{}" if self.path == "/sink" else body
+            if self.path == "/slow":
+                time.sleep(8)
+            answer = {"/sink": b"{}", "/slow": b"{}", "/big6": body6}.get(self.path, body)
             self.send_response(201)
             self.send_header("content-type", "application/octet-stream")
             self.send_header("content-length", str(len(answer)))
@@ -183,12 +193,165 @@ def cpu(url, token, pid, n):
     print(json.dumps(out))
 
 
+def request_bytes(url, token, path, key, extra=""):
+    return (f"POST {path} HTTP/1.1\r\nHost: {urllib.parse.urlsplit(url).netloc}\r\n"
+            f"Authorization: Bearer {token}\r\nIdempotency-Key: {key}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: 2\r\n{extra}\r\n{{}}").encode()
+
+
+def replays(url, token, n):
+    """Stores one 6 MiB answer, then sends n retries of it at once, each read whole."""
+    key = f"storm-{uuid.uuid4()}"
+    first = Client(url, token)
+    first.conn = None
+    status, size = post_key(first, "/big6", key)
+    results, lock = [], threading.Lock()
+    start = threading.Barrier(n)
+
+    def one():
+        client = Client(url, token)
+        start.wait()
+        got = post_key(client, "/big6", key, timeout=60)
+        client.close()
+        with lock:
+            results.append(got)
+
+    threads = [threading.Thread(target=one) for _ in range(n)]
+    began = time.monotonic()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    statuses = {}
+    for status_, size_ in results:
+        statuses[str(status_)] = statuses.get(str(status_), 0) + 1
+    print(json.dumps({"first": [status, size], "retries": n, "statuses": statuses,
+                      "whole": sum(1 for s, b in results if s == 201 and b == size),
+                      "seconds": round(time.monotonic() - began, 2)}))
+
+
+def post_key(client, path, key, timeout=30):
+    if client.conn is None:
+        client.conn = http.client.HTTPConnection(client.url.hostname, client.url.port, timeout=timeout)
+    try:
+        client.conn.request("POST", path, body=b"{}", headers={
+            "Authorization": f"Bearer {client.token}", "Idempotency-Key": key,
+            "Content-Type": "application/json"})
+        response = client.conn.getresponse()
+        return response.status, len(response.read())
+    except (OSError, http.client.HTTPException):
+        client.close()
+        return "error", 0
+
+
+def non_readers(url, token, n, seconds):
+    """Stores one 6 MiB answer, then n clients ask for it and read nothing for `seconds`."""
+    key = f"stall-{uuid.uuid4()}"
+    status, size = post_key(Client(url, token), "/big6", key)
+    target = urllib.parse.urlsplit(url)
+    socks = []
+    for _ in range(n):
+        s = socket.socket()
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 16 * 1024)
+        s.connect((target.hostname, target.port))
+        s.sendall(request_bytes(url, token, "/big6", key))
+        socks.append(s)
+    time.sleep(seconds)
+    # What each got before it was cut off (or all of it, if the gateway waited).
+    received = []
+    for s in socks:
+        s.settimeout(2)
+        got = 0
+        try:
+            while True:
+                chunk = s.recv(1 << 20)
+                if not chunk:
+                    break
+                got += len(chunk)
+        except OSError:
+            pass
+        received.append(got)
+        s.close()
+    print(json.dumps({"first": [status, size], "clients": n, "held_seconds": seconds,
+                      "cut_off": sum(1 for r in received if r < size), "max_received": max(received)}))
+
+
+def metric(url, name):
+    try:
+        with urllib.request.urlopen(f"{url}/metrics", timeout=5) as r:
+            for line in r.read().decode().splitlines():
+                if line.startswith(name + " ") or line.startswith(name + "{"):
+                    return float(line.rsplit(" ", 1)[1])
+    except OSError:
+        pass
+    return None
+
+
+def hung_up(url, token, other_token, seconds):
+    """A held key (its upstream answers after 8 s); retries of it with `Prefer: wait=5`
+    that reset their connection at once, as fast as one client can; beside them another
+    tenant pays with new keys. Prints what the gateway held and served."""
+    key = f"held-{uuid.uuid4()}"
+    holder = threading.Thread(target=lambda: post_key(Client(url, token), "/slow", key, timeout=30))
+    holder.start()
+    time.sleep(0.5)
+    target = urllib.parse.urlsplit(url)
+    deadline = time.monotonic() + seconds
+    sent = [0]
+    in_flight = []
+    served = {}
+    statements_before = metric(url, "idemgate_ledger_statements_total") or 0
+
+    def flood():
+        request = request_bytes(url, token, "/slow", key, "Prefer: wait=5\r\n")
+        while time.monotonic() < deadline:
+            try:
+                s = socket.create_connection((target.hostname, target.port), timeout=5)
+                s.sendall(request)
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+                s.close()
+                sent[0] += 1
+            except OSError:
+                pass
+
+    def other():
+        client = Client(url, other_token)
+        while time.monotonic() < deadline:
+            status, _ = post_key(client, "/payments", f"other-{uuid.uuid4()}")
+            served[str(status)] = served.get(str(status), 0) + 1
+        client.close()
+
+    def watch():
+        while time.monotonic() < deadline + 1:
+            value = metric(url, "idemgate_requests_in_flight")
+            if value is not None:
+                in_flight.append(value)
+            time.sleep(0.1)
+
+    threads = [threading.Thread(target=f) for f in (flood, flood, other, watch)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    statements = (metric(url, "idemgate_ledger_statements_total") or 0) - statements_before
+    holder.join()
+    print(json.dumps({"hung_up_retries": sent[0], "seconds": seconds,
+                      "max_requests_in_flight": max(in_flight) if in_flight else None,
+                      "ledger_statements": statements, "other_tenant": served}))
+
+
 if __name__ == "__main__":
     verb, args = sys.argv[1], sys.argv[2:]
     if verb == "serve-big":
         serve_big(int(args[0]))
     elif verb == "attack":
         attack(args[0], args[1], float(args[2]))
+    elif verb == "replays":
+        replays(args[0], args[1], int(args[2]))
+    elif verb == "non-readers":
+        non_readers(args[0], args[1], int(args[2]), float(args[3]))
+    elif verb == "hung-up":
+        hung_up(args[0], args[1], args[2], float(args[3]))
     elif verb == "cpu":
         cpu(args[0], args[1], int(args[2]), int(args[3]) if len(args) > 3 else 20)
     else:
