@@ -175,13 +175,7 @@ async fn claim_result(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_claim_that_commits_after_its_request_gave_up_is_released() {
     let db = TestDb::create().await;
-    db.migrate().await;
-    let pool = sqlx::postgres::PgPoolOptions::new()
-        .max_connections(4)
-        .connect(&db.url)
-        .await
-        .unwrap();
-    let ledger = PgLedger::new(pool, Duration::from_secs(1));
+    let ledger = one_statement_at_a_time_within(&db, Duration::from_secs(1)).await;
     let mut blocker = uncommitted_row(&db, "a-blocked").await;
     // The two claims queue behind the gate's statement and then share the next one,
     // which waits on the other session's row "a-blocked" (rows go in key order).

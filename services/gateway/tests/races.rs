@@ -33,6 +33,17 @@ async fn hang_up_after(addr: std::net::SocketAddr, request: &str, after: Duratio
     drop(stream);
 }
 
+/// A gateway in front of payments-demo with `max_concurrent_requests = 4`.
+async fn four_slots() -> (TestDb, Demo, GatewayProcess) {
+    let db = TestDb::create().await;
+    let demo = Demo::start(&db).await;
+    let cfg = TestConfig::new(&db)
+        .set("server.max_concurrent_requests", 4)
+        .payments(&demo, |r| r);
+    let gw = GatewayProcess::start(&cfg.toml()).await;
+    (db, demo, gw)
+}
+
 async fn scrape(http: &Http, gw: &GatewayProcess, name: &str) -> f64 {
     let answer = http.get(&gw.url("/metrics")).send().await;
     let text = String::from_utf8(answer.body.to_vec()).unwrap();
@@ -43,12 +54,7 @@ async fn scrape(http: &Http, gw: &GatewayProcess, name: &str) -> f64 {
 // client's slot was freed while its payment went on).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn hung_up_clients_keep_their_slots_until_their_work_ends() {
-    let db = TestDb::create().await;
-    let demo = Demo::start(&db).await;
-    let cfg = TestConfig::new(&db)
-        .set("server.max_concurrent_requests", 4)
-        .payments(&demo, |r| r);
-    let gw = GatewayProcess::start(&cfg.toml()).await;
+    let (db, _demo, gw) = four_slots().await;
     // One after another, each hanging up once its payment is under way.
     for i in 0..12 {
         let body = payment(&format!("o-{i}"), 1);
@@ -84,12 +90,7 @@ async fn hung_up_clients_keep_their_slots_until_their_work_ends() {
 // flood (every hung-up waiter went on polling for its 5 s).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn hung_up_waiters_stop_waiting() {
-    let db = TestDb::create().await;
-    let demo = Demo::start(&db).await;
-    let cfg = TestConfig::new(&db)
-        .set("server.max_concurrent_requests", 4)
-        .payments(&demo, |r| r);
-    let gw = GatewayProcess::start(&cfg.toml()).await;
+    let (db, _demo, gw) = four_slots().await;
     let http = Http::default();
     let key = new_key();
     let body = payment("o-held", 1);

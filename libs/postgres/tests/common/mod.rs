@@ -54,13 +54,18 @@ pub async fn claim(ledger: &PgLedger, scope: &Scope, lease: Duration) -> (Attemp
 /// A ledger whose pool of four allows one group statement of a kind at a time, so that a
 /// test can hold that statement and queue the next one's rows behind it.
 pub async fn one_statement_at_a_time(db: &TestDb) -> PgLedger {
+    one_statement_at_a_time_within(db, Duration::from_secs(5)).await
+}
+
+/// [`one_statement_at_a_time`], with `op_timeout` for each ledger call.
+pub async fn one_statement_at_a_time_within(db: &TestDb, op_timeout: Duration) -> PgLedger {
     db.migrate().await;
     let pool = sqlx::postgres::PgPoolOptions::new()
         .max_connections(4)
         .connect(&db.url)
         .await
         .unwrap();
-    PgLedger::new(pool, Duration::from_secs(5))
+    PgLedger::new(pool, op_timeout)
 }
 
 /// Another session's uncommitted insert of `key`: a claim of it waits until the
