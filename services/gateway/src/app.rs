@@ -56,19 +56,25 @@ pub struct AppState {
     pub readiness: tokio_util::task::AbortOnDropHandle<()>,
 }
 
+/// Whether a writable Postgres answers within 2 s.
+async fn postgres_writable(ledger: &PgLedger) -> bool {
+    tokio::time::timeout(Duration::from_secs(2), ledger.writable())
+        .await
+        .is_ok_and(|answer| answer.is_ok_and(|writable| writable))
+}
+
 /// How often readiness asks Postgres, however many probes ask the gateway.
 const READINESS_EVERY: Duration = Duration::from_secs(1);
 
 /// Keeps `ready` true while a writable Postgres answers (one short query a second, so a
 /// flood of `/readyz` never reaches Postgres).
 async fn watch_readiness(ledger: PgLedger, ready: Arc<AtomicBool>) {
-    let mut every = tokio::time::interval(READINESS_EVERY);
+    let start = tokio::time::Instant::now() + READINESS_EVERY;
+    let mut every = tokio::time::interval_at(start, READINESS_EVERY);
     every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         every.tick().await;
-        let writable = tokio::time::timeout(Duration::from_secs(2), ledger.writable())
-            .await
-            .is_ok_and(|answer| answer.is_ok_and(|writable| writable));
+        let writable = postgres_writable(&ledger).await;
         if ready.swap(writable, Ordering::Relaxed) != writable {
             tracing::info!(ready = writable, "postgres readiness changed");
         }
@@ -148,7 +154,8 @@ impl Application {
             .check_renames(stored.iter().map(String::as_str))
             .map_err(anyhow::Error::msg)
             .context("routes")?;
-        let postgres_ready = Arc::new(AtomicBool::new(false));
+        // Known before the first request: a gateway that just started is ready at once.
+        let postgres_ready = Arc::new(AtomicBool::new(postgres_writable(&ledger).await));
         let readiness = tokio_util::task::AbortOnDropHandle::new(tokio::spawn(watch_readiness(
             ledger.clone(),
             postgres_ready.clone(),
