@@ -8,6 +8,7 @@
 //! | `idempotency.on_in_progress` | `reject` | or `wait` |
 //! | `idempotency.wait_timeout` | `5s` | longest wait for a concurrent attempt |
 //! | `idempotency.mismatch_status` | `409` | or `422` |
+//! | `idempotency.lock_wait` | `5s` | embedded mode: how long a duplicate waits on an uncommitted claim |
 
 use std::time::Duration;
 
@@ -29,6 +30,10 @@ pub struct IdempotencyConfig {
     pub wait_timeout: Duration,
     /// The status of a key reused with a different request: 409 or 422.
     pub mismatch_status: u16,
+    /// Embedded mode (DESIGN §13): how long a duplicate waits on another request's
+    /// uncommitted claim before it is answered 409.
+    #[serde(with = "humantime_serde")]
+    pub lock_wait: Duration,
 }
 
 impl Default for IdempotencyConfig {
@@ -39,13 +44,14 @@ impl Default for IdempotencyConfig {
             on_in_progress: OnInProgress::Reject,
             wait_timeout: Duration::from_secs(5),
             mismatch_status: 409,
+            lock_wait: Duration::from_secs(5),
         }
     }
 }
 
 impl IdempotencyConfig {
     /// The engine's policy for a route that sets nothing of its own.
-    pub(crate) fn policy(&self) -> Policy {
+    pub fn policy(&self) -> Policy {
         Policy {
             ttl: self.ttl,
             lease: self.lease,
@@ -57,6 +63,12 @@ impl IdempotencyConfig {
     }
 
     pub(crate) fn validate(&self) -> Result<(), ConfigError> {
+        if self.lock_wait.is_zero() {
+            return Err(ConfigError::new(
+                "idempotency.lock_wait",
+                "must be greater than 0",
+            ));
+        }
         check("idempotency", &self.policy(), self.mismatch_status)
     }
 }

@@ -53,6 +53,8 @@ pub struct Config {
     pub redis: Option<RedisConfig>,
     pub auth: AuthConfig,
     pub reconciler: ReconcilerConfig,
+    /// `[idempotency]`, the defaults the routes start from (and embedded mode's policy).
+    pub idempotency: IdempotencyConfig,
     pub routes: RouteTable,
 }
 
@@ -155,6 +157,7 @@ impl RawConfig {
             redis: self.redis,
             auth: self.auth,
             reconciler: self.reconciler,
+            idempotency: self.idempotency,
             routes: RouteTable::new(routes),
         })
     }

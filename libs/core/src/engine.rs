@@ -311,20 +311,9 @@ impl<L: Ledger, C: Cache> Engine<L, C> {
         read: Instant,
         waited: bool,
     ) -> Existing<R> {
-        if record.fingerprint != *req.fingerprint {
-            return Existing::Answered(Outcome::Mismatch {
-                completed: matches!(record.state, RecordState::Completed(_)),
-                trace_context: record.trace_context,
-            });
-        }
-        match record.state {
-            RecordState::Completed(response) => {
-                let entry = CacheEntry {
-                    fingerprint: record.fingerprint,
-                    response,
-                    trace_context: record.trace_context,
-                };
-                if let Some(left) = record.expires_in {
+        match Verdict::of(record, req.fingerprint) {
+            Verdict::Replay { entry, expires_in } => {
+                if let Some(left) = expires_in {
                     // Never let the cached copy outlive the row.
                     let ttl = left.saturating_sub(read.elapsed());
                     if !ttl.is_zero() {
@@ -337,7 +326,14 @@ impl<L: Ledger, C: Cache> Engine<L, C> {
                     waited,
                 })
             }
-            RecordState::InProgress { .. } => Existing::Running(Box::new(record)),
+            Verdict::Mismatch {
+                completed,
+                trace_context,
+            } => Existing::Answered(Outcome::Mismatch {
+                completed,
+                trace_context,
+            }),
+            Verdict::Running(record) => Existing::Running(record),
         }
     }
 
@@ -513,6 +509,48 @@ impl<L: Ledger, C: Cache> Engine<L, C> {
     }
 }
 
+/// What a live record found for a request means, decided without I/O: the same for the
+/// engine and for embedded mode (`idem-embedded`), which finds records its own way.
+#[derive(Debug)]
+pub enum Verdict {
+    /// A completed operation of this same request: replay it. `expires_in` is how long
+    /// the record still lives, as read.
+    Replay {
+        entry: CacheEntry,
+        expires_in: Option<Duration>,
+    },
+    /// The key was used for another request, whose operation is `completed` (or else
+    /// still in progress).
+    Mismatch {
+        completed: bool,
+        trace_context: Option<String>,
+    },
+    /// The same request, still in progress under another attempt.
+    Running(Box<Record>),
+}
+
+impl Verdict {
+    pub fn of(record: Record, fingerprint: &Fingerprint) -> Self {
+        if record.fingerprint != *fingerprint {
+            return Self::Mismatch {
+                completed: matches!(record.state, RecordState::Completed(_)),
+                trace_context: record.trace_context,
+            };
+        }
+        match record.state {
+            RecordState::Completed(response) => Self::Replay {
+                entry: CacheEntry {
+                    fingerprint: record.fingerprint,
+                    response,
+                    trace_context: record.trace_context,
+                },
+                expires_in: record.expires_in,
+            },
+            RecordState::InProgress { .. } => Self::Running(Box::new(record)),
+        }
+    }
+}
+
 /// What an existing record means for a request: an answer now, or still running.
 enum Existing<R> {
     Answered(Outcome<R>),
@@ -528,7 +566,9 @@ enum Waited {
     Released,
 }
 
-fn in_progress<R>(record: &Record, waited: bool) -> Outcome<R> {
+/// A retry's answer while `record` is in progress under another attempt: 409 soon, or
+/// later once its lease has run out and the outcome is unknown.
+pub fn in_progress<R>(record: &Record, waited: bool) -> Outcome<R> {
     let lease_expired = matches!(
         record.state,
         RecordState::InProgress {

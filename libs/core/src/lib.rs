@@ -24,7 +24,7 @@ pub mod reconcile;
 pub mod record;
 pub mod scope;
 
-pub use engine::{Attempt, Engine, Execution, Outcome, Request, UnknownCause};
+pub use engine::{Attempt, Engine, Execution, Outcome, Request, UnknownCause, Verdict};
 pub use fingerprint::{BodyKind, Fingerprint};
 pub use key::{IdempotencyKey, KeyError};
 pub use policy::{Disposition, OnInProgress, Policy, StatusSet};

@@ -107,7 +107,9 @@ impl<C> Local<C> {
         &self.inner
     }
 
-    fn get(&self, scope: &Scope) -> Option<CacheEntry> {
+    /// The entry held for `scope` and how much longer it lives (never longer than its
+    /// row), without asking the inner cache.
+    pub fn get(&self, scope: &Scope) -> Option<(CacheEntry, Duration)> {
         let mut state = self.state.lock().expect("local cache lock");
         let (until, old_tick) = state.entries.get(scope).map(|s| (s.until, s.tick))?;
         if until <= Instant::now() {
@@ -123,7 +125,10 @@ impl<C> Local<C> {
         state.order.insert(tick, key);
         let slot = state.entries.get_mut(scope).expect("looked up above");
         slot.tick = tick;
-        Some(slot.entry.clone())
+        Some((
+            slot.entry.clone(),
+            until.saturating_duration_since(Instant::now()),
+        ))
     }
 
     fn put(&self, scope: &Scope, entry: &CacheEntry, ttl: Duration) {
@@ -181,8 +186,8 @@ impl<C> Local<C> {
 
 impl<C: Cache> Cache for Local<C> {
     async fn lookup(&self, scope: &Scope, attempt: AttemptId, lease: Duration) -> CacheLookup {
-        if let Some(entry) = self.get(scope) {
-            return CacheLookup::Completed(entry, None);
+        if let Some((entry, left)) = self.get(scope) {
+            return CacheLookup::Completed(entry, Some(left));
         }
         match self.inner.lookup(scope, attempt, lease).await {
             CacheLookup::Completed(entry, Some(ttl)) => {
@@ -212,7 +217,7 @@ impl<C: Cache> Cache for Local<C> {
     }
 
     fn peek(&self, scope: &Scope) -> Option<CacheEntry> {
-        self.get(scope)
+        self.get(scope).map(|(entry, _)| entry)
     }
 }
 

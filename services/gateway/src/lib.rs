@@ -6,7 +6,8 @@
 //! - [`extract`]: the extractors (tenant, matched route, key), the body and `Prefer: wait`.
 //! - [`observe`]: the `idemgate.request` span, request metrics and log line, as a layer.
 //! - [`respond`]: an engine outcome as the client's response.
-//! - [`problem`]: every error response, as `application/problem+json`.
+//! - [`problem`]: every error response, as `application/problem+json` (in `idem-http`,
+//!   shared with embedded mode).
 //! - [`server`]: the listener; connection-level limits (head timeout, hard head caps).
 //! - [`limits`]: per-request limits (head size, requests in flight), as middleware.
 //! - [`operator`]: what `idemgate keys` prints about a key.
@@ -21,9 +22,10 @@ pub mod handler;
 pub mod limits;
 pub mod observe;
 pub mod operator;
-pub mod problem;
 pub mod respond;
 pub mod server;
+
+pub use idem_http::problem;
 
 pub use app::{Application, BuildOptions};
 pub use idem_config::Config;

@@ -13,11 +13,7 @@ use tokio::time::Instant;
 use tracing::Instrument;
 use tracing::field::Empty;
 
-/// What a request came to: `executed`, `replayed`, … from the engine, `proxied` on a
-/// plain route, `error`, or for a request turned away the problem's slug. A bounded
-/// set: it is a metrics label.
-#[derive(Debug, Clone, Copy)]
-pub struct Outcome(pub &'static str);
+pub use idem_http::Outcome;
 
 /// The matched route's endpoint (`"POST /payments"`), a metrics label.
 #[derive(Debug, Clone)]

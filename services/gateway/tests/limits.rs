@@ -634,6 +634,6 @@ async fn idempotency_problems_say_where_the_operation_stands() {
         .await;
     assert_eq!(
         state(&refused),
-        owned("upstream-unavailable", "unknown", true)
+        owned("upstream-unavailable", "not_executed", true)
     );
 }

@@ -6,6 +6,7 @@
 //!   written with (liveness, lease, held, the attempt's fence), once;
 //! - [`claim`]: the claim (group commit) and the read of a live row;
 //! - [`complete`]: the completion (group commit);
+//! - [`in_tx`]: the claim and the completion on a caller's transaction (embedded mode);
 //! - [`release`]: what a gateway's attempt ends with when it does not complete: a
 //!   release (nothing ran) or a hold (an uncertain answer);
 //! - [`reconcile`]: the reconciler's take, resolution and deferral;
@@ -19,6 +20,7 @@
 pub mod bodies;
 pub mod claim;
 pub mod complete;
+pub mod in_tx;
 pub mod operator;
 pub mod purge;
 pub mod reconcile;

@@ -1,6 +1,6 @@
-//! Every error response idemgate writes itself: `application/problem+json` (RFC 9457)
-//! with a stable `type` URI. Bodies never echo the stored request, response or
-//! fingerprint, so a stolen key is not a read oracle.
+//! Every error response idemgate writes itself, in the gateway and in embedded mode:
+//! `application/problem+json` (RFC 9457) with a stable `type` URI. Bodies never echo the
+//! stored request, response or fingerprint, so a stolen key is not a read oracle.
 //!
 //! # Error policy
 //! The libraries return typed errors (enums with their `#[source]`), never strings and
@@ -22,7 +22,11 @@ use http::{HeaderValue, StatusCode, header};
 use idem_auth::AuthError;
 use serde_json::json;
 
-use crate::observe::Outcome;
+use crate::Outcome;
+
+/// `operation_state` of an attempt that provably did nothing (its key was released, or
+/// its transaction rolled back): the same key, or a new one, is safe.
+pub const NOT_EXECUTED: &str = "not_executed";
 
 /// The base of every problem `type` URI.
 pub const TYPE_BASE: &str = "https://idemgate.dev/problems/";
@@ -31,7 +35,7 @@ pub const TYPE_BASE: &str = "https://idemgate.dev/problems/";
 #[derive(Debug)]
 pub enum Problem {
     KeyMissing,
-    KeyInvalid(crate::extract::KeyHeaderError),
+    KeyInvalid(crate::request::KeyHeaderError),
     KeyReused {
         status: u16,
         /// Whether the operation the key belongs to is completed (else in progress).
@@ -83,8 +87,9 @@ impl Problem {
     }
 
     /// For the idempotency problems: where the operation stands (`in_progress`,
-    /// `completed` or `unknown`) and whether a new key is safe, i.e. whether the
-    /// operation provably did not run. `None` for problems that claimed nothing.
+    /// `completed`, `unknown` or `not_executed`) and whether a new key is safe, i.e.
+    /// whether the operation provably did not run. `None` for problems that claimed
+    /// nothing.
     pub fn operation(&self) -> Option<(&'static str, bool)> {
         use Problem::*;
         match self {
@@ -108,7 +113,7 @@ impl Problem {
             )),
             ResultUnavailable => Some(("completed", false)),
             // Connection refused: the upstream never saw it, and the key was released.
-            UpstreamUnavailable => Some(("unknown", true)),
+            UpstreamUnavailable => Some((NOT_EXECUTED, true)),
             UpstreamTimeout | LedgerUnavailable | OutcomeUnrecorded => Some(("unknown", false)),
             _ => None,
         }

@@ -1,0 +1,110 @@
+//! The ledger on a caller's transaction, for embedded mode (DESIGN §13): the very claim
+//! and completion statements the gateway's group pipes send ([`CLAIM_SQL`],
+//! [`COMPLETE_SQL`]), one row each, on a connection inside the service's own
+//! transaction, so the claim, the service's business write and the stored answer commit
+//! together or not at all.
+//!
+//! A claim that meets another transaction's uncommitted claim of the same scope waits on
+//! it (Postgres makes an insert that conflicts with an uncommitted row wait for that
+//! transaction's end), as long as the transaction's `lock_timeout` allows: then it finds
+//! the committed answer, or — the other rolled back — claims the key itself.
+//!
+//! [`CLAIM_SQL`]: super::claim::CLAIM_SQL
+//! [`COMPLETE_SQL`]: super::complete::COMPLETE_SQL
+
+use std::time::Duration;
+
+use idem_core::{
+    AttemptId, Claim, ClaimResult, Fence, LedgerError, RecordState, Scope, StoredResponse,
+};
+use sqlx::{PgConnection, Row};
+
+use super::claim::{ClaimRow, Claims, Seen};
+use super::complete::{CompleteRow, Completions};
+use super::{CLAIM_ROUNDS, bodies};
+use crate::group::Batch;
+
+/// Why a claim on a transaction did not come to a record.
+#[derive(Debug, thiserror::Error)]
+pub enum TxClaimError {
+    /// Another transaction's claim of the scope was still uncommitted when the
+    /// transaction's `lock_timeout` ran out. The transaction is aborted.
+    #[error("another request's claim of this key did not commit or roll back within the lock wait")]
+    LockWait,
+    #[error(transparent)]
+    Ledger(#[from] LedgerError),
+}
+
+/// Claims `claim.scope` on `conn` (inside a transaction): this attempt owns the key until
+/// the transaction ends, or the live record is returned.
+pub async fn claim(
+    conn: &mut PgConnection,
+    claim: &Claim<'_>,
+) -> Result<ClaimResult, TxClaimError> {
+    let row = ClaimRow::of(claim);
+    for _ in 0..CLAIM_ROUNDS {
+        let seen = Claims::write(conn, &[&row]).await.map_err(lock_wait)?;
+        let seen = seen
+            .into_iter()
+            .next()
+            .ok_or_else(|| LedgerError::new(crate::Corrupt("the claim returned no row")))??;
+        match seen {
+            Some(Seen::Claimed) => return Ok(ClaimResult::Claimed),
+            Some(Seen::Row(found)) => {
+                let mut record = found.record;
+                if found.body_to_read.is_some() {
+                    let body = sqlx::query(bodies::BODY_SQL)
+                        .bind(&claim.scope.tenant)
+                        .bind(&claim.scope.endpoint)
+                        .bind(claim.scope.key.as_str())
+                        .bind(record.attempt.0)
+                        .fetch_optional(&mut *conn)
+                        .await
+                        .map_err(LedgerError::new)?;
+                    // The row changed between the two reads (purged, taken over): again.
+                    let Some(body) = body else { continue };
+                    let body: Vec<u8> = body.try_get("response_body").map_err(LedgerError::new)?;
+                    if let RecordState::Completed(response) = &mut record.state {
+                        response.body = body.into();
+                    }
+                }
+                return Ok(ClaimResult::Existing(record));
+            }
+            // The claim waited on a row committed after its snapshot: read it again.
+            None => continue,
+        }
+    }
+    Err(LedgerError::new(crate::Contended).into())
+}
+
+/// Records the answer of `attempt` on `conn`, in the transaction that claimed it.
+pub async fn complete(
+    conn: &mut PgConnection,
+    scope: &Scope,
+    attempt: AttemptId,
+    response: &StoredResponse,
+    ttl: Duration,
+) -> Result<Fence, LedgerError> {
+    let row = CompleteRow::of(scope, attempt, response, ttl);
+    let fences = Completions::write(conn, &[&row])
+        .await
+        .map_err(LedgerError::new)?;
+    Ok(fences.into_iter().next().unwrap_or(Fence::Lost))
+}
+
+/// `lock_not_available`: the statement waited `lock_timeout` for a lock.
+const LOCK_NOT_AVAILABLE: &str = "55P03";
+
+fn lock_wait(error: sqlx::Error) -> TxClaimError {
+    match error.as_database_error().and_then(|e| e.code()) {
+        Some(code) if code == LOCK_NOT_AVAILABLE => TxClaimError::LockWait,
+        _ => TxClaimError::Ledger(LedgerError::new(error)),
+    }
+}
+
+/// Whether a failed commit surely changed nothing: Postgres answered it with an error,
+/// so the transaction rolled back. Otherwise (the connection broke, the answer never
+/// came) the commit may have happened.
+pub fn rolled_back(error: &sqlx::Error) -> bool {
+    matches!(error, sqlx::Error::Database(_))
+}
