@@ -6,17 +6,20 @@
 //!
 //! # Layout
 //! - [`db`]: [`TestDb`], a database per test.
-//! - [`processes`]: the built binaries ([`Demo`], [`GatewayProcess`], [`reconcile_once`]),
+//! - [`processes`]: the built binaries ([`Demo`], upstream or embedded, [`GatewayProcess`],
+//!   [`reconcile_once`]),
 //!   signals, and [`TestUpstream`], an upstream of the test's own.
 //! - [`redis`]: [`RedisServer`], a redis-server per test.
 //! - [`config`]: the config files those processes read.
 //! - [`client`]: [`Http`], tokens, answers and metrics.
+//! - [`failpoints`]: [`Failpoints`], armed for a process the test starts.
 //! - [`proxy`]: [`FaultProxy`], a TCP proxy that can cut or slow a connection.
 //! - [`idp`]: [`Idp`], a real OpenID Connect provider (Node's `oidc-provider`).
 
 pub mod client;
 pub mod config;
 pub mod db;
+pub mod failpoints;
 pub mod idp;
 pub mod processes;
 pub mod proxy;
@@ -25,6 +28,7 @@ pub mod redis;
 pub use client::*;
 pub use config::*;
 pub use db::*;
+pub use failpoints::*;
 pub use idp::*;
 pub use processes::*;
 pub use proxy::*;

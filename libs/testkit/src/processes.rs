@@ -67,29 +67,54 @@ fn newest_mtime(dir: &PathBuf) -> Option<SystemTime> {
 /// A running payments-demo process, killed when dropped.
 pub struct Demo {
     pub addr: SocketAddr,
-    /// Held only so that dropping the demo kills it (`kill_on_drop`).
-    _child: Child,
+    child: Child,
 }
 
 impl Demo {
+    /// The demo as idemgate's upstream.
     pub async fn start(db: &TestDb) -> Self {
+        Self::spawn(db, &[]).await
+    }
+
+    /// The demo in embedded mode (DESIGN §13), with `config_text` as its
+    /// `PAYMENTS_DEMO_CONFIG` and `env` besides.
+    pub async fn embedded(db: &TestDb, config_text: &str, env: &[(&str, &str)]) -> Self {
+        let config = config_file(config_text);
+        let config = config.to_str().expect("a UTF-8 temp path");
+        let mut all = vec![
+            ("PAYMENTS_DEMO_MODE", "embedded"),
+            ("PAYMENTS_DEMO_CONFIG", config),
+        ];
+        all.extend_from_slice(env);
+        Self::spawn(db, &all).await
+    }
+
+    async fn spawn(db: &TestDb, env: &[(&str, &str)]) -> Self {
         let mut child = Command::new(binary("payments-demo", "services/payments-demo/src"))
             .env("PAYMENTS_DEMO_LISTEN", "127.0.0.1:0")
             .env("PAYMENTS_DEMO_DATABASE_URL", &db.url)
             .env("RUST_LOG", "warn")
+            .envs(env.iter().copied())
             .stdout(Stdio::piped())
             .kill_on_drop(true)
             .spawn()
             .expect("spawn payments-demo");
         let addr = read_listen_line(&mut child, "payments-demo listening on ").await;
-        Self {
-            addr,
-            _child: child,
-        }
+        Self { addr, child }
     }
 
     pub fn url(&self) -> String {
         format!("http://{}", self.addr)
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.id().expect("running")
+    }
+
+    /// SIGKILL, and wait until it is gone.
+    pub async fn kill(&mut self) {
+        let _ = self.child.start_kill();
+        let _ = self.child.wait().await;
     }
 }
 

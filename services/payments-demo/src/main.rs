@@ -13,7 +13,19 @@
 //!
 //! Environment: `PAYMENTS_DEMO_LISTEN` (default `127.0.0.1:9090`) and
 //! `PAYMENTS_DEMO_DATABASE_URL` (default `postgres://postgres@127.0.0.1:5432/payments_demo`).
+//!
+//! With `PAYMENTS_DEMO_MODE=embedded` (DESIGN §13) it is its own idempotency layer instead
+//! of idemgate's upstream: `POST /payments` and `POST /refunds` run behind `idem-embedded`
+//! (endpoints `"POST /payments"`, `"POST /refunds"`), with the `[auth]` and
+//! `[idempotency]` of the gateway config file in `PAYMENTS_DEMO_CONFIG`. The key's claim,
+//! the payment row, an outbox row and the stored answer commit in one transaction; a small
+//! worker delivers the outbox after commit ([`outbox`]). `X-Demo-Delay-Ms` then sleeps
+//! after the insert and before the commit, and `X-Demo-Fail: 500` answers 500 after the
+//! insert (so it is rolled back).
 #![forbid(unsafe_code)]
+
+mod embedded;
+mod outbox;
 
 use std::time::Duration;
 
@@ -52,16 +64,27 @@ const SCHEMA: &[&str] = &[
     // Added later: tables made by an older demo gain it in place.
     "ALTER TABLE demo_payments ADD COLUMN IF NOT EXISTS idempotency_attempt text",
     "ALTER TABLE demo_refunds ADD COLUMN IF NOT EXISTS idempotency_attempt text",
+    // Embedded mode's outbox: what is to be sent after a payment commits (outbox.rs).
+    "CREATE TABLE IF NOT EXISTS demo_outbox (
+        id uuid PRIMARY KEY,
+        tenant_id text NOT NULL,
+        topic text NOT NULL,
+        payload jsonb NOT NULL,
+        created_at timestamptz NOT NULL DEFAULT clock_timestamp(),
+        delivered_at timestamptz)",
+    "CREATE INDEX IF NOT EXISTS demo_outbox_pending_idx ON demo_outbox (created_at) WHERE delivered_at IS NULL",
 ];
 
 /// The two kinds of operation the demo performs; they differ only in names.
 #[derive(Clone, Copy)]
-struct Kind {
+pub(crate) struct Kind {
     table: &'static str,
     id_field: &'static str,
     ref_field: &'static str,
     ref_column: &'static str,
     path: &'static str,
+    /// The outbox topic of a new one (embedded mode).
+    topic: &'static str,
 }
 
 const PAYMENT: Kind = Kind {
@@ -70,6 +93,7 @@ const PAYMENT: Kind = Kind {
     ref_field: "orderId",
     ref_column: "order_id",
     path: "/payments",
+    topic: "payment.created",
 };
 const REFUND: Kind = Kind {
     table: "demo_refunds",
@@ -77,6 +101,7 @@ const REFUND: Kind = Kind {
     ref_field: "paymentId",
     ref_column: "payment_id",
     path: "/refunds",
+    topic: "refund.created",
 };
 
 #[tokio::main]
@@ -101,19 +126,18 @@ async fn main() -> anyhow::Result<()> {
         .await
         .context("creating the demo tables")?;
 
-    let app = Router::new()
-        .route("/payments", post(|s, h, b| create(PAYMENT, s, h, b)))
-        .route("/refunds", post(|s, h, b| create(REFUND, s, h, b)))
-        .route(
-            "/payments/by-key/{key}",
-            get(|s, h, k| by_key(PAYMENT, s, h, k)),
-        )
-        .route(
-            "/refunds/by-key/{key}",
-            get(|s, h, k| by_key(REFUND, s, h, k)),
-        )
-        .route("/healthz", get(|| async { "ok" }))
-        .with_state(pool);
+    let embedded = match std::env::var("PAYMENTS_DEMO_MODE").as_deref() {
+        Ok("embedded") => true,
+        Ok("upstream") | Err(_) => false,
+        Ok(other) => {
+            anyhow::bail!("PAYMENTS_DEMO_MODE={other:?}: expected \"upstream\" or \"embedded\"")
+        }
+    };
+    let app = if embedded {
+        embedded::app(pool.clone()).await?
+    } else {
+        upstream_app(pool.clone())
+    };
     let listener = tokio::net::TcpListener::bind(&listen)
         .await
         .with_context(|| format!("binding PAYMENTS_DEMO_LISTEN={listen}"))?;
@@ -131,6 +155,23 @@ async fn main() -> anyhow::Result<()> {
         })
         .await?;
     Ok(())
+}
+
+/// The demo as idemgate's upstream: every request that reaches it executes.
+fn upstream_app(pool: PgPool) -> Router {
+    Router::new()
+        .route("/payments", post(|s, h, b| create(PAYMENT, s, h, b)))
+        .route("/refunds", post(|s, h, b| create(REFUND, s, h, b)))
+        .route(
+            "/payments/by-key/{key}",
+            get(|s, h, k| by_key(PAYMENT, s, h, k)),
+        )
+        .route(
+            "/refunds/by-key/{key}",
+            get(|s, h, k| by_key(REFUND, s, h, k)),
+        )
+        .route("/healthz", get(|| async { "ok" }))
+        .with_state(pool)
 }
 
 /// Creates the tables, serialised by an advisory lock so that several demos starting
@@ -169,69 +210,133 @@ async fn create(
     let Some(tenant) = tenant(&headers) else {
         return problem(StatusCode::BAD_REQUEST, "X-Tenant-Id is required");
     };
-    if headers.get("x-demo-fail").is_some_and(|v| v == "500") {
-        return problem(
-            StatusCode::INTERNAL_SERVER_ERROR,
-            "injected failure (X-Demo-Fail)",
-        );
+    if failure_injected(&headers) {
+        return injected_failure();
     }
-    let Ok(input) = serde_json::from_slice::<Value>(&body) else {
-        return problem(StatusCode::BAD_REQUEST, "the body must be JSON");
-    };
-    let reference = input
-        .get(kind.ref_field)
-        .and_then(Value::as_str)
-        .filter(|s| !s.is_empty());
-    let amount = input
-        .get("amountUah")
-        .and_then(Value::as_i64)
-        .filter(|a| *a > 0);
-    let (Some(reference), Some(amount)) = (reference, amount) else {
-        let detail = format!(
-            "expected {{\"{}\": string, \"amountUah\": positive integer}}",
-            kind.ref_field
-        );
-        return problem(StatusCode::UNPROCESSABLE_ENTITY, &detail);
+    let input = match Input::parse(kind, &body) {
+        Ok(input) => input,
+        Err((status, why)) => return problem(status, &why),
     };
     let key = headers.get("idempotency-key").and_then(|v| v.to_str().ok());
     let attempt = headers
         .get("idempotency-attempt")
         .and_then(|v| v.to_str().ok());
     let id = Uuid::new_v4();
-    let sql = format!(
-        "INSERT INTO {} (id, tenant_id, idempotency_key, idempotency_attempt, {}, amount_uah) \
-         VALUES ($1, $2, $3, $4, $5, $6)",
-        kind.table, kind.ref_column
-    );
-    let inserted = sqlx::query(sqlx::AssertSqlSafe(sql))
-        .bind(id)
-        .bind(&tenant)
-        .bind(key)
-        .bind(attempt)
-        .bind(reference)
-        .bind(amount)
-        .execute(&pool)
-        .await;
-    if let Err(e) = inserted {
+    if let Err(e) = input.insert(&pool, id, &tenant, key, attempt).await {
         tracing::error!(error = %e, "insert failed");
         return problem(StatusCode::SERVICE_UNAVAILABLE, "database unavailable");
     }
-    if let Some(ms) = headers
+    if let Some(delay) = delay(&headers) {
+        tokio::time::sleep(delay).await;
+    }
+    input.created(id)
+}
+
+/// `X-Demo-Fail: 500`.
+fn failure_injected(headers: &HeaderMap) -> bool {
+    headers.get("x-demo-fail").is_some_and(|v| v == "500")
+}
+
+fn injected_failure() -> Response {
+    let mut response = (
+        StatusCode::INTERNAL_SERVER_ERROR,
+        Json(json!({
+            "type": "about:blank",
+            "title": "Internal Server Error",
+            "status": 500,
+            "detail": "injected failure (X-Demo-Fail)",
+        })),
+    )
+        .into_response();
+    response.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/problem+json"),
+    );
+    response
+}
+
+/// `X-Demo-Delay-Ms: N`.
+fn delay(headers: &HeaderMap) -> Option<Duration> {
+    headers
         .get("x-demo-delay-ms")
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.parse::<u64>().ok())
-    {
-        tokio::time::sleep(Duration::from_millis(ms)).await;
+        .map(Duration::from_millis)
+}
+
+/// A valid payment or refund, as asked for.
+pub(crate) struct Input {
+    kind: Kind,
+    reference: String,
+    amount: i64,
+}
+
+impl Input {
+    /// The body as JSON, or why not (400, 422).
+    pub(crate) fn parse(kind: Kind, body: &[u8]) -> Result<Self, (StatusCode, String)> {
+        let Ok(json) = serde_json::from_slice::<Value>(body) else {
+            return Err((StatusCode::BAD_REQUEST, "the body must be JSON".into()));
+        };
+        let reference = json
+            .get(kind.ref_field)
+            .and_then(Value::as_str)
+            .filter(|s| !s.is_empty());
+        let amount = json
+            .get("amountUah")
+            .and_then(Value::as_i64)
+            .filter(|a| *a > 0);
+        let (Some(reference), Some(amount)) = (reference, amount) else {
+            let detail = format!(
+                "expected {{\"{}\": string, \"amountUah\": positive integer}}",
+                kind.ref_field
+            );
+            return Err((StatusCode::UNPROCESSABLE_ENTITY, detail));
+        };
+        Ok(Self {
+            kind,
+            reference: reference.to_owned(),
+            amount,
+        })
     }
-    let mut response = (
-        StatusCode::CREATED,
-        Json(body_of(kind, id, reference, amount)),
-    )
-        .into_response();
-    if let Ok(location) = HeaderValue::from_str(&format!("{}/{id}", kind.path)) {
-        response.headers_mut().insert(header::LOCATION, location);
+
+    /// Inserts its row: one execution.
+    pub(crate) async fn insert<'e>(
+        &self,
+        db: impl sqlx::PgExecutor<'e>,
+        id: Uuid,
+        tenant: &str,
+        key: Option<&str>,
+        attempt: Option<&str>,
+    ) -> sqlx::Result<()> {
+        let sql = format!(
+            "INSERT INTO {} (id, tenant_id, idempotency_key, idempotency_attempt, {}, amount_uah) \
+             VALUES ($1, $2, $3, $4, $5, $6)",
+            self.kind.table, self.kind.ref_column
+        );
+        sqlx::query(sqlx::AssertSqlSafe(sql))
+            .bind(id)
+            .bind(tenant)
+            .bind(key)
+            .bind(attempt)
+            .bind(&self.reference)
+            .bind(self.amount)
+            .execute(db)
+            .await
+            .map(drop)
     }
-    response
+
+    /// What the client is told of it (201, with its `Location`).
+    pub(crate) fn created(&self, id: Uuid) -> Response {
+        let mut response = (StatusCode::CREATED, Json(self.body(id))).into_response();
+        if let Ok(location) = HeaderValue::from_str(&format!("{}/{id}", self.kind.path)) {
+            response.headers_mut().insert(header::LOCATION, location);
+        }
+        response
+    }
+
+    pub(crate) fn body(&self, id: Uuid) -> Value {
+        body_of(self.kind, id, &self.reference, self.amount)
+    }
 }
 
 fn body_of(kind: Kind, id: Uuid, reference: &str, amount: i64) -> Value {

@@ -11,44 +11,6 @@ use common::*;
 use http::StatusCode;
 use idem_testkit::*;
 
-/// A directory of failpoints for one gateway process (see `idem_telemetry::failpoint`).
-struct Failpoints(std::path::PathBuf);
-
-impl Failpoints {
-    fn new() -> Self {
-        let dir = std::env::temp_dir().join(format!("idemgate-failpoints-{}", new_key()));
-        std::fs::create_dir_all(&dir).unwrap();
-        Self(dir)
-    }
-
-    fn env(&self) -> [(&str, &str); 1] {
-        [("IDEMGATE_FAILPOINTS", self.0.to_str().unwrap())]
-    }
-
-    fn arm(&self, name: &str) {
-        std::fs::write(self.0.join(name), "").unwrap();
-    }
-
-    /// Waits (up to 5 s) until the process has passed the armed failpoint and stopped.
-    async fn until_stopped(&self, name: &str) {
-        let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
-        while self.0.join(name).exists() {
-            assert!(
-                tokio::time::Instant::now() < deadline,
-                "the gateway never reached {name}"
-            );
-            // Real time: the gateway process reaching its failpoint.
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-    }
-}
-
-impl Drop for Failpoints {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
 /// A gateway stalled after its last check and before a request without a body leaves
 /// must not send it once its lease is over: by then the key may have been released and
 /// a retry executed it. (On 7fa843d, with the failpoint after the gateway's own deadline

@@ -1,0 +1,384 @@
+//! The tower layer, and one request through it:
+//!
+//! 1. tenant, key, body and fingerprint, read as the gateway reads them: bad input is a
+//!    4xx and nothing is claimed;
+//! 2. a completed answer held in this process is replayed at once;
+//! 3. `BEGIN` (with `lock_timeout = lock_wait`), then the gateway's claim on the
+//!    transaction. A live record answers as at the gateway (replay, 409/422, 409 in
+//!    progress); a duplicate of an uncommitted claim waits on it for `lock_wait`, then
+//!    finds its answer, or claims the key itself if the first rolled back, or gets 409;
+//! 4. the handler runs with the transaction ([`crate::Tx`]); the request's extensions
+//!    hold its [`Scope`] (tenant, endpoint, key) and its [`AttemptId`];
+//! 5. an answer whose status rolls back (every 5xx by default) rolls everything back: the
+//!    client gets it, marked `not_executed` if it is a problem document, and the key is
+//!    free. Any other answer is stored in the record on the same transaction, which
+//!    commits; only then is it answered. A commit whose acknowledgement was lost is 503
+//!    `outcome-unrecorded`: a retry finds the committed record, or none.
+
+use std::convert::Infallible;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::{Duration, SystemTime};
+
+use axum::body::Body;
+use axum::extract::Request;
+use axum::response::{IntoResponse, Response};
+use bytes::Bytes;
+use http::{HeaderValue, header};
+use http_body_util::BodyExt;
+use idem_core::{
+    AttemptId, BodyKind, Cache, CacheEntry, Claim, ClaimResult, Fence, Fingerprint, Outcome, Scope,
+    Verdict,
+};
+use idem_http::Problem;
+use idem_http::problem::NOT_EXECUTED;
+use idem_http::request::{idempotency_key, is_json, read_body};
+use idem_postgres::ledger::in_tx::{self, TxClaimError};
+use idem_telemetry::failpoint;
+use tower_layer::Layer;
+use tower_service::Service;
+
+use crate::Shared;
+use crate::tx::Slot;
+
+/// Makes a route idempotent: [`crate::Idempotency::layer`].
+#[derive(Debug, Clone)]
+pub struct IdempotencyLayer {
+    shared: Arc<Shared>,
+    endpoint: Arc<str>,
+}
+
+impl IdempotencyLayer {
+    pub(crate) fn new(shared: Arc<Shared>, endpoint: &str) -> Self {
+        Self {
+            shared,
+            endpoint: endpoint.into(),
+        }
+    }
+}
+
+impl<S> Layer<S> for IdempotencyLayer {
+    type Service = IdempotencyService<S>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        IdempotencyService {
+            inner,
+            shared: self.shared.clone(),
+            endpoint: self.endpoint.clone(),
+        }
+    }
+}
+
+/// The route's handler behind the layer.
+#[derive(Debug, Clone)]
+pub struct IdempotencyService<S> {
+    inner: S,
+    shared: Arc<Shared>,
+    endpoint: Arc<str>,
+}
+
+impl<S> Service<Request> for IdempotencyService<S>
+where
+    S: Service<Request, Response = Response, Error = Infallible> + Clone + Send + 'static,
+    S::Future: Send + 'static,
+{
+    type Response = Response;
+    type Error = Infallible;
+    type Future = Pin<Box<dyn Future<Output = Result<Response, Infallible>> + Send>>;
+
+    fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+        // Readiness is the inner service's, asked for when it is called.
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, request: Request) -> Self::Future {
+        // The clone that was made ready is the one that is called (tower's rule).
+        let clone = self.inner.clone();
+        let inner = std::mem::replace(&mut self.inner, clone);
+        let shared = self.shared.clone();
+        let endpoint = self.endpoint.clone();
+        Box::pin(async move {
+            Ok(serve(&shared, &endpoint, inner, request)
+                .await
+                .unwrap_or_else(|problem| problem.into_response()))
+        })
+    }
+}
+
+/// One request: read, claim, run, store, commit, answer.
+async fn serve<S>(
+    shared: &Shared,
+    endpoint: &str,
+    inner: S,
+    request: Request,
+) -> Result<Response, Problem>
+where
+    S: Service<Request, Response = Response, Error = Infallible>,
+{
+    let options = &shared.options;
+    let (mut parts, body) = request.into_parts();
+    let tenant = options
+        .tenant
+        .of(&parts.headers)
+        .await
+        .map_err(Problem::Unauthorized)?;
+    let key = idempotency_key(&parts.headers)
+        .map_err(Problem::KeyInvalid)?
+        .ok_or(Problem::KeyMissing)?;
+    let body = read_body(
+        body,
+        &parts.headers,
+        options.max_body_bytes,
+        options.body_read_timeout,
+    )
+    .await?;
+    let kind = if is_json(&parts.headers) {
+        BodyKind::Json
+    } else {
+        BodyKind::Raw
+    };
+    let target = parts.uri.path_and_query().map_or("/", |pq| pq.as_str());
+    let fingerprint =
+        Fingerprint::compute(parts.method.as_str(), target, kind, &body).map_err(|why| {
+            Problem::RequestInvalid(format!("the body is not acceptable JSON: {why}"))
+        })?;
+    let scope = Scope::new(tenant, endpoint, key);
+
+    if let Some((entry, left)) = shared.replays.get(&scope) {
+        let verdict = if entry.fingerprint == fingerprint {
+            Verdict::Replay {
+                entry,
+                expires_in: Some(left),
+            }
+        } else {
+            Verdict::Mismatch {
+                completed: true,
+                trace_context: entry.trace_context,
+            }
+        };
+        return Ok(existing(shared, &scope, verdict, None).await);
+    }
+
+    let begun = SystemTime::now();
+    let mut tx = shared
+        .pool
+        .begin_with(sqlx::AssertSqlSafe(shared.begin.clone()))
+        .await
+        .map_err(|error| unavailable(&scope, "begin", &error))?;
+    let attempt = AttemptId::random();
+    let claimed = in_tx::claim(
+        &mut tx,
+        &Claim {
+            scope: &scope,
+            fingerprint: &fingerprint,
+            attempt,
+            // Nobody sees the claim before it commits completed, so no reconciler ever
+            // judges this lease; it is the lock wait's, for the record.
+            lease: options.lock_wait,
+            ttl: options.ttl,
+            trace_context: None,
+        },
+    )
+    .await;
+    let read = tokio::time::Instant::now();
+    match claimed {
+        Ok(ClaimResult::Claimed) => {}
+        Ok(ClaimResult::Existing(record)) => {
+            drop(tx);
+            let verdict = Verdict::of(record, &fingerprint);
+            return Ok(existing(shared, &scope, verdict, Some(read)).await);
+        }
+        Err(TxClaimError::LockWait) => {
+            return Err(Problem::InProgress {
+                retry_after: Duration::from_secs(1),
+                outcome_unknown: false,
+            });
+        }
+        Err(TxClaimError::Ledger(error)) => return Err(unavailable(&scope, "claim", &error)),
+    }
+
+    let slot = Slot::new(tx);
+    parts.extensions.insert(slot.clone());
+    // For the handler: whose operation this is, and the attempt's token.
+    parts.extensions.insert(scope.clone());
+    parts.extensions.insert(attempt);
+    let response = inner
+        .oneshot_infallible(Request::from_parts(parts, Body::from(body)))
+        .await;
+    let Some(mut tx) = slot.take() else {
+        // The handler moved its Tx somewhere that outlives it: the transaction ends (rolls
+        // back) when that is dropped. Nothing can be stored.
+        tracing::error!(
+            ?scope,
+            "the handler kept its Tx after answering; its transaction is rolled back"
+        );
+        return Err(Problem::Internal);
+    };
+
+    let status = response.status().as_u16();
+    if options.roll_back_on.contains(status) {
+        if let Err(error) = tx.rollback().await {
+            // The connection is closed with it: Postgres rolls back on its own.
+            tracing::warn!(?scope, %error, "could not roll back; the connection is dropped");
+        }
+        return Ok(not_executed(response, options.max_response_bytes).await);
+    }
+
+    let (mut head, handler_body) = response.into_parts();
+    let bytes = match handler_body.collect().await {
+        Ok(collected) => collected.to_bytes(),
+        Err(error) => {
+            tracing::error!(?scope, %error, "the handler's answer could not be read; its transaction is rolled back");
+            return Err(Problem::Internal);
+        }
+    };
+    let kept = (bytes.len() <= options.max_response_bytes).then(|| bytes.clone());
+    let stored =
+        idem_upstream::headers::to_stored(status, &head.headers, kept, options.store_set_cookie);
+    match in_tx::complete(&mut tx, &scope, attempt, &stored, options.ttl).await {
+        Ok(Fence::Held) => {}
+        Ok(Fence::Lost) => {
+            // No one else can see the uncommitted claim: this cannot happen.
+            tracing::error!(?scope, "the claim vanished inside its own transaction");
+            return Err(Problem::Internal);
+        }
+        Err(error) => return Err(unavailable(&scope, "complete", &error)),
+    }
+    failpoint::stop_here("embedded-before-commit");
+    if let Err(error) = tx.commit().await {
+        return Err(if in_tx::rolled_back(&error) {
+            tracing::error!(?scope, %error, "the commit was refused; nothing was kept");
+            Problem::LedgerUnavailable
+        } else {
+            tracing::error!(?scope, %error, "the commit's answer was lost; it may have committed");
+            Problem::OutcomeUnrecorded
+        });
+    }
+    failpoint::stop_here("embedded-after-commit");
+    let entry = CacheEntry {
+        fingerprint,
+        response: stored,
+        trace_context: None,
+    };
+    // The row expires `ttl` after its transaction began (Postgres's `now()`), which
+    // was after `begun`.
+    let left = options
+        .ttl
+        .saturating_sub(begun.elapsed().unwrap_or_default());
+    if !entry.response.body_omitted {
+        shared.replays.fill(&scope, &entry, left).await;
+    }
+    head.headers.remove(header::CONTENT_LENGTH);
+    let mut response = Response::from_parts(head, Body::from(bytes));
+    idem_http::set_expires(&mut response, begun + options.ttl);
+    Ok(response)
+}
+
+/// What a live record (from the claim, or held in this process) answers. `read`: when
+/// the statement that read it was answered, to hold a copy no longer than the row lives.
+async fn existing(
+    shared: &Shared,
+    scope: &Scope,
+    verdict: Verdict,
+    read: Option<tokio::time::Instant>,
+) -> Response {
+    let (outcome, expires_in) = match verdict {
+        Verdict::Replay { entry, expires_in } => {
+            if let (Some(read), Some(left)) = (read, expires_in) {
+                let left = left.saturating_sub(read.elapsed());
+                if !left.is_zero() && !entry.response.body_omitted {
+                    shared.replays.fill(scope, &entry, left).await;
+                }
+            }
+            let outcome = Outcome::<Infallible>::Replayed {
+                response: entry.response,
+                trace_context: entry.trace_context,
+                waited: false,
+            };
+            (outcome, expires_in)
+        }
+        Verdict::Mismatch {
+            completed,
+            trace_context,
+        } => (
+            Outcome::Mismatch {
+                completed,
+                trace_context,
+            },
+            None,
+        ),
+        Verdict::Running(record) => (idem_core::engine::in_progress(&record, false), None),
+    };
+    let mut response = idem_http::answer(
+        outcome,
+        shared.options.mismatch_status,
+        None,
+        |never: Infallible| match never {},
+    );
+    if let Some(left) = expires_in {
+        idem_http::set_expires(&mut response, SystemTime::now() + left);
+    }
+    response
+}
+
+/// The handler's answer to a request that was rolled back: as it came, with
+/// `operation_state: not_executed` and `safe_new_key: true` added when it is a problem
+/// document (RFC 9457), so the client knows the key is free.
+async fn not_executed(response: Response, limit: usize) -> Response {
+    let is_problem = response
+        .headers()
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|ct| ct.starts_with("application/problem+json"));
+    if !is_problem {
+        return response;
+    }
+    let (mut head, body) = response.into_parts();
+    let bytes = match http_body_util::Limited::new(body, limit).collect().await {
+        Ok(collected) => collected.to_bytes(),
+        Err(_) => return Problem::Internal.into_response(),
+    };
+    let body = match serde_json::from_slice::<serde_json::Value>(&bytes) {
+        Ok(serde_json::Value::Object(mut problem)) => {
+            problem.insert("operation_state".into(), NOT_EXECUTED.into());
+            problem.insert("safe_new_key".into(), true.into());
+            head.headers.remove(header::CONTENT_LENGTH);
+            Bytes::from(serde_json::Value::Object(problem).to_string())
+        }
+        _ => bytes,
+    };
+    head.headers.insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/problem+json"),
+    );
+    Response::from_parts(head, Body::from(body))
+}
+
+/// The ledger could not be used before anything was committed: nothing happened.
+fn unavailable(scope: &Scope, step: &str, error: &dyn std::fmt::Display) -> Problem {
+    tracing::error!(?scope, step, %error, "the idempotency ledger is unavailable; nothing was executed");
+    Problem::LedgerUnavailable
+}
+
+/// Calling a service whose readiness is always given (an axum route).
+trait OneshotInfallible {
+    fn oneshot_infallible(self, request: Request) -> impl Future<Output = Response>;
+}
+
+impl<S> OneshotInfallible for S
+where
+    S: Service<Request, Response = Response, Error = Infallible>,
+{
+    async fn oneshot_infallible(mut self, request: Request) -> Response {
+        match std::future::poll_fn(|cx| self.poll_ready(cx)).await {
+            Ok(()) => {}
+            Err(never) => match never {},
+        }
+        match self.call(request).await {
+            Ok(response) => response,
+            Err(never) => match never {},
+        }
+    }
+}

@@ -1,0 +1,246 @@
+//! `idem-embedded`: idemgate's contract in-process, for an axum + sqlx service whose
+//! business data lives in the same Postgres as its idempotency records (DESIGN §13).
+//!
+//! The gateway claims a key, calls the upstream and records its answer in three commits,
+//! so a crash between them leaves an unknown outcome for the reconciler. Here the claim,
+//! the handler's business write and the stored answer are **one transaction**: they
+//! commit together or not at all, and there is nothing to reconcile.
+//!
+//! ```no_run
+//! use axum::{Json, Router, http::StatusCode, routing::post};
+//! use idem_embedded::{Idempotency, Options, TenantFrom, Tx};
+//!
+//! # async fn run(pool: sqlx::PgPool, verifier: std::sync::Arc<idem_auth::Authenticator>) {
+//! let idem = Idempotency::new(pool.clone(), Options::default().tenant(TenantFrom::Jwt(verifier)));
+//! let app: Router = Router::new()
+//!     .route("/payments", post(create_payment))
+//!     .route_layer(idem.layer("POST /payments"));
+//! # }
+//!
+//! async fn create_payment(mut tx: Tx, Json(order): Json<serde_json::Value>) -> (StatusCode, String) {
+//!     sqlx::query("INSERT INTO payments (order_id) VALUES ($1)")
+//!         .bind(order["orderId"].as_str())
+//!         .execute(&mut *tx)
+//!         .await
+//!         .unwrap();
+//!     (StatusCode::CREATED, "paid".into())
+//! }
+//! ```
+//!
+//! What is the gateway's is taken from the gateway's crates, not written again: key
+//! rules, fingerprint, scope and the decision on an existing record (`idem-core`), the
+//! problems and replays (`idem-http`), the statements on the `idempotency_keys` table
+//! (`idem-postgres`, whose migrations create it), tokens (`idem-auth`). So a route can
+//! move between gateway and embedded mode and keep its keys.
+//!
+//! # Layout
+//! - [`Idempotency`] and [`Options`]: the shared state and its settings.
+//! - [`layer`]: the tower layer, and one request through it.
+//! - [`tx`]: the [`Tx`] extractor.
+#![forbid(unsafe_code)]
+
+pub mod layer;
+pub mod tx;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use http::HeaderName;
+use idem_auth::{AuthError, Authenticator};
+use idem_config::IdempotencyConfig;
+use idem_core::NoCache;
+use idem_core::local::{Bounds, Local};
+use idem_core::policy::{StatusEntry, StatusSet};
+use sqlx::PgPool;
+
+pub use idem_postgres::migrate;
+pub use layer::{IdempotencyLayer, IdempotencyService};
+pub use tx::Tx;
+
+/// Where the tenant of a request comes from.
+#[derive(Clone)]
+pub enum TenantFrom {
+    /// The bearer token, verified as the gateway does (`[auth]`).
+    Jwt(Arc<Authenticator>),
+    /// A header set by whatever authenticates requests before the service (its own
+    /// auth middleware, a proxy in front). Only for services that never take the header
+    /// from a client as it came: a client that could set it could read another tenant's
+    /// answers.
+    Header(HeaderName),
+}
+
+impl std::fmt::Debug for TenantFrom {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Jwt(_) => f.write_str("Jwt"),
+            Self::Header(name) => f.debug_tuple("Header").field(name).finish(),
+        }
+    }
+}
+
+impl TenantFrom {
+    async fn of(&self, headers: &http::HeaderMap) -> Result<String, AuthError> {
+        match self {
+            Self::Jwt(verifier) => {
+                let token = idem_http::request::bearer(headers)?;
+                Ok(verifier.verify_fetching(token).await?.0)
+            }
+            Self::Header(name) => {
+                let mut values = headers.get_all(name).iter();
+                match (values.next(), values.next()) {
+                    (Some(value), None) => value
+                        .to_str()
+                        .ok()
+                        .filter(|t| !t.is_empty() && t.len() <= 255)
+                        .map(str::to_owned)
+                        .ok_or_else(|| AuthError::TenantInvalid(name.to_string())),
+                    _ => Err(AuthError::TenantMissing(name.to_string())),
+                }
+            }
+        }
+    }
+}
+
+/// How the layer treats requests. `Options::default()` reads the tenant from a trusted
+/// `X-Tenant-Id` header and takes `[idempotency]`'s defaults.
+#[derive(Debug, Clone)]
+pub struct Options {
+    tenant: TenantFrom,
+    ttl: Duration,
+    lock_wait: Duration,
+    mismatch_status: u16,
+    max_body_bytes: usize,
+    body_read_timeout: Duration,
+    max_response_bytes: usize,
+    roll_back_on: StatusSet,
+    store_set_cookie: bool,
+    replay_memory: Bounds,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Self::from_config(&IdempotencyConfig::default())
+    }
+}
+
+impl Options {
+    /// The settings of a gateway's `[idempotency]` section: `ttl`, `lock_wait` and
+    /// `mismatch_status` (the rest is the gateway's own business).
+    pub fn from_config(config: &IdempotencyConfig) -> Self {
+        Self {
+            tenant: TenantFrom::Header(HeaderName::from_static("x-tenant-id")),
+            ttl: config.ttl,
+            lock_wait: config.lock_wait,
+            mismatch_status: config.mismatch_status,
+            max_body_bytes: 1 << 20,
+            body_read_timeout: Duration::from_secs(30),
+            max_response_bytes: 10 << 20,
+            roll_back_on: StatusSet::from_entries([StatusEntry::Class(5)]),
+            store_set_cookie: false,
+            replay_memory: Bounds {
+                entries: 10_000,
+                bytes: 64 << 20,
+            },
+        }
+    }
+
+    pub fn tenant(mut self, tenant: TenantFrom) -> Self {
+        self.tenant = tenant;
+        self
+    }
+
+    /// How long a completed key is replayed.
+    pub fn ttl(mut self, ttl: Duration) -> Self {
+        self.ttl = ttl;
+        self
+    }
+
+    /// How long a duplicate waits on another request's uncommitted claim before it is
+    /// answered 409 with `Retry-After`. It bounds every lock wait of the request's
+    /// transaction, the handler's own too (Postgres's `lock_timeout`).
+    pub fn lock_wait(mut self, wait: Duration) -> Self {
+        self.lock_wait = wait;
+        self
+    }
+
+    /// 409 (default) or 422 for a key reused with a different request.
+    pub fn mismatch_status(mut self, status: u16) -> Self {
+        self.mismatch_status = status;
+        self
+    }
+
+    /// Larger request bodies get 413; nothing is claimed.
+    pub fn max_body_bytes(mut self, limit: usize) -> Self {
+        self.max_body_bytes = limit;
+        self
+    }
+
+    /// Larger answers are committed without their body: retries get 410.
+    pub fn max_response_bytes(mut self, limit: usize) -> Self {
+        self.max_response_bytes = limit;
+        self
+    }
+
+    /// The statuses whose answers roll the transaction back (default: every 5xx): the
+    /// business write is undone and the key is free.
+    pub fn roll_back_on(mut self, statuses: StatusSet) -> Self {
+        self.roll_back_on = statuses;
+        self
+    }
+
+    /// Keep `Set-Cookie` in stored answers (replayed to whoever retries the key).
+    pub fn store_set_cookie(mut self, store: bool) -> Self {
+        self.store_set_cookie = store;
+        self
+    }
+
+    /// Completed answers held in this process for replays without a statement
+    /// (`entries: 0` turns it off).
+    pub fn replay_memory(mut self, bounds: Bounds) -> Self {
+        self.replay_memory = bounds;
+        self
+    }
+}
+
+/// The idempotency of a service: its pool, options and replay memory. Cheap to clone;
+/// one per service, with a [`layer`](Idempotency::layer) per idempotent route.
+#[derive(Debug, Clone)]
+pub struct Idempotency {
+    shared: Arc<Shared>,
+}
+
+#[derive(Debug)]
+pub(crate) struct Shared {
+    pub(crate) pool: PgPool,
+    pub(crate) options: Options,
+    /// The statement that begins a request's transaction, with its lock wait.
+    pub(crate) begin: String,
+    pub(crate) replays: Local<NoCache>,
+}
+
+impl Idempotency {
+    /// The records live in `pool`'s database, in the table the project's migrations
+    /// create ([`migrate`]).
+    pub fn new(pool: PgPool, options: Options) -> Self {
+        let begin = format!(
+            "BEGIN; SET LOCAL lock_timeout = '{}ms'",
+            options.lock_wait.as_millis().max(1)
+        );
+        let replays = Local::new(NoCache, options.replay_memory);
+        Self {
+            shared: Arc::new(Shared {
+                pool,
+                options,
+                begin,
+                replays,
+            }),
+        }
+    }
+
+    /// The layer for one route. `endpoint` names it in the records' scope, as a gateway
+    /// route's method and path template do (`"POST /payments"`): a route moved from the
+    /// gateway keeps its keys only under the same name.
+    pub fn layer(&self, endpoint: &str) -> IdempotencyLayer {
+        IdempotencyLayer::new(self.shared.clone(), endpoint)
+    }
+}

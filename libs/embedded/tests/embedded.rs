@@ -1,0 +1,394 @@
+//! Embedded mode through real HTTP, against real Postgres: a service of the test's own
+//! (an axum router with an `orders` table and the layer on its route) on a real socket.
+
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+use axum::Router;
+use axum::extract::Extension;
+use axum::http::{HeaderMap, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::post;
+use idem_core::Scope;
+use idem_embedded::{Idempotency, Options, TenantFrom, Tx};
+use idem_testkit::*;
+use serde_json::{Value, json};
+use sqlx::PgPool;
+use uuid::Uuid;
+
+/// The test's service: `POST /orders` inserts one order through the request's
+/// transaction; `x-sleep-ms` holds the transaction open that long after the insert;
+/// `x-fail` answers 500 after the insert.
+struct Service {
+    url: String,
+    db_url: String,
+    /// The database, unless it is another service's.
+    _db: Option<TestDb>,
+    pool: PgPool,
+    server: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for Service {
+    fn drop(&mut self) {
+        self.server.abort();
+    }
+}
+
+async fn create_order(
+    Extension(scope): Extension<Scope>,
+    headers: HeaderMap,
+    mut tx: Tx,
+    axum::Json(order): axum::Json<Value>,
+) -> Response {
+    let id = Uuid::new_v4();
+    sqlx::query(
+        "INSERT INTO orders (id, tenant_id, idempotency_key, amount) VALUES ($1, $2, $3, $4)",
+    )
+    .bind(id)
+    .bind(&scope.tenant)
+    .bind(scope.key.as_str())
+    .bind(order["amount"].as_i64())
+    .execute(&mut *tx)
+    .await
+    .expect("insert the order");
+    if let Some(ms) = headers.get("x-sleep-ms").and_then(|v| v.to_str().ok()) {
+        // Real time: the transaction stays open while a duplicate arrives.
+        tokio::time::sleep(Duration::from_millis(ms.parse().unwrap())).await;
+    }
+    if headers.contains_key("x-fail") {
+        let problem =
+            json!({"type": "about:blank", "title": "Internal Server Error", "status": 500});
+        return (
+            StatusCode::INTERNAL_SERVER_ERROR,
+            [(header::CONTENT_TYPE, "application/problem+json")],
+            problem.to_string(),
+        )
+            .into_response();
+    }
+    (
+        StatusCode::CREATED,
+        [(header::LOCATION, format!("/orders/{id}"))],
+        axum::Json(json!({"orderId": id, "amount": order["amount"]})),
+    )
+        .into_response()
+}
+
+/// Starts the service on a database of its own, or on `beside`'s (a second process of
+/// the same service).
+async fn service(options: impl FnOnce(Options) -> Options, beside: Option<&Service>) -> Service {
+    let (db, url) = match beside {
+        Some(other) => (None, other.db_url.clone()),
+        None => {
+            let db = TestDb::create().await;
+            db.migrate().await;
+            let mut conn = db.connect().await;
+            sqlx::query(
+                "CREATE TABLE orders (id uuid PRIMARY KEY, tenant_id text NOT NULL, \
+                 idempotency_key text NOT NULL, amount bigint)",
+            )
+            .execute(&mut conn)
+            .await
+            .unwrap();
+            let url = db.url.clone();
+            (Some(db), url)
+        }
+    };
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(64)
+        .connect(&url)
+        .await
+        .expect("connect to the test database");
+    let config = idem_config::Config::from_toml(
+        &TestConfig::bare()
+            .set("postgres.url", url.as_str())
+            .set("auth.hs256_secret", SECRET)
+            .toml(),
+    )
+    .expect("test config");
+    let auth = idem_auth::Authenticator::from_config(&config.auth).expect("HS256 auth");
+    let options = options(Options::default().tenant(TenantFrom::Jwt(Arc::new(auth))));
+    let idem = Idempotency::new(pool.clone(), options);
+    let app = Router::new().route(
+        "/orders",
+        post(create_order).route_layer(idem.layer("POST /orders")),
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let base = format!("http://{}", listener.local_addr().unwrap());
+    let server = tokio::spawn(async move {
+        axum::serve(listener, app).await.unwrap();
+    });
+    Service {
+        url: format!("{base}/orders"),
+        db_url: url,
+        _db: db,
+        pool,
+        server,
+    }
+}
+
+impl Service {
+    async fn count(&self, sql: &str) -> i64 {
+        sqlx::query_scalar(sqlx::AssertSqlSafe(sql.to_owned()))
+            .fetch_one(&self.pool)
+            .await
+            .unwrap()
+    }
+
+    async fn orders(&self) -> i64 {
+        self.count("SELECT count(*) FROM orders").await
+    }
+
+    async fn records(&self) -> i64 {
+        self.count("SELECT count(*) FROM idempotency_keys").await
+    }
+}
+
+fn order(amount: u64) -> String {
+    format!(r#"{{"amount": {amount}}}"#)
+}
+
+fn expires(answer: &Answer) -> SystemTime {
+    let value = answer
+        .header("idempotency-expires")
+        .unwrap_or_else(|| panic!("no Idempotency-Expires on {}", answer.status));
+    httpdate::parse_http_date(value).expect("an IMF-fixdate")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn parallel_requests_with_one_key_execute_once_and_answer_alike() {
+    let svc = service(|o| o, None).await;
+    let http = Http::default();
+    for n in [2usize, 50] {
+        let key = new_key();
+        let calls = (0..n).map(|_| {
+            let call = http
+                .pay(&svc.url, "acme", &key, &order(7))
+                .header("x-sleep-ms", "300");
+            tokio::spawn(call.send())
+        });
+        let mut answers = Vec::new();
+        for call in calls.collect::<Vec<_>>() {
+            answers.push(call.await.unwrap());
+        }
+        let orders: i64 =
+            sqlx::query_scalar("SELECT count(*) FROM orders WHERE idempotency_key = $1")
+                .bind(&key)
+                .fetch_one(&svc.pool)
+                .await
+                .unwrap();
+        assert_eq!(orders, 1, "{n} requests with one key made {orders} orders");
+        let first = &answers[0];
+        for answer in &answers {
+            assert_eq!(answer.status, StatusCode::CREATED, "{:?}", answer.body);
+            assert_eq!(answer.body, first.body, "every answer is the first one's");
+            assert_eq!(answer.header("location"), first.header("location"));
+        }
+        let replayed = answers.iter().filter(|a| a.replayed()).count();
+        assert_eq!(replayed, n - 1, "all but the one that executed are replays");
+    }
+    assert_eq!(svc.records().await, 2, "one record per key");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_different_payload_is_refused_and_writes_nothing() {
+    for status in [409u16, 422] {
+        let svc = service(|o| o.mismatch_status(status), None).await;
+        let http = Http::default();
+        let key = new_key();
+        let first = http.pay(&svc.url, "acme", &key, &order(7)).send().await;
+        assert_eq!(first.status, StatusCode::CREATED);
+        let other = http.pay(&svc.url, "acme", &key, &order(8)).send().await;
+        assert_eq!(other.status.as_u16(), status);
+        assert_eq!(other.problem(), "idempotency-key-reused");
+        assert_eq!(other.json()["operation_state"], "completed");
+        assert_eq!((svc.orders().await, svc.records().await), (1, 1));
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_handler_that_fails_after_its_insert_leaves_nothing_and_a_retry_executes_once() {
+    let svc = service(|o| o, None).await;
+    let http = Http::default();
+    let key = new_key();
+    let failed = http
+        .pay(&svc.url, "acme", &key, &order(7))
+        .header("x-fail", "1")
+        .send()
+        .await;
+    assert_eq!(failed.status, StatusCode::INTERNAL_SERVER_ERROR);
+    let problem = failed.json();
+    assert_eq!(problem["operation_state"], "not_executed", "{problem}");
+    assert_eq!(problem["safe_new_key"], true, "{problem}");
+    assert_eq!(
+        problem["title"], "Internal Server Error",
+        "the handler's own problem"
+    );
+    assert_eq!(
+        (svc.orders().await, svc.records().await),
+        (0, 0),
+        "the order and the claim rolled back together"
+    );
+    let retry = http.pay(&svc.url, "acme", &key, &order(7)).send().await;
+    assert_eq!(retry.status, StatusCode::CREATED);
+    assert!(!retry.replayed());
+    let again = http.pay(&svc.url, "acme", &key, &order(7)).send().await;
+    assert!(again.replayed());
+    assert_eq!((svc.orders().await, svc.records().await), (1, 1));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_duplicate_of_a_claim_that_rolls_back_runs_itself() {
+    let svc = service(|o| o, None).await;
+    let http = Http::default();
+    let key = new_key();
+    let first = in_flight(
+        http.pay(&svc.url, "acme", &key, &order(7))
+            .header("x-sleep-ms", "500")
+            .header("x-fail", "1")
+            .send(),
+        Duration::from_millis(150),
+    )
+    .await;
+    let second = http.pay(&svc.url, "acme", &key, &order(7)).send().await;
+    assert_eq!(
+        first.await.unwrap().status,
+        StatusCode::INTERNAL_SERVER_ERROR
+    );
+    assert_eq!(
+        second.status,
+        StatusCode::CREATED,
+        "it waited, then claimed the freed key"
+    );
+    assert!(!second.replayed());
+    assert_eq!((svc.orders().await, svc.records().await), (1, 1));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_duplicate_that_waits_past_lock_wait_gets_409_with_retry_after() {
+    let svc = service(|o| o.lock_wait(Duration::from_millis(300)), None).await;
+    let http = Http::default();
+    let key = new_key();
+    let first = in_flight(
+        http.pay(&svc.url, "acme", &key, &order(7))
+            .header("x-sleep-ms", "3000")
+            .send(),
+        Duration::from_millis(200),
+    )
+    .await;
+    let second = http.pay(&svc.url, "acme", &key, &order(7)).send().await;
+    assert!(
+        !first.is_finished(),
+        "the first request still holds its claim"
+    );
+    assert_eq!(second.status, StatusCode::CONFLICT);
+    assert_eq!(second.problem(), "idempotency-key-in-progress");
+    assert_eq!(second.header("retry-after"), Some("1"));
+    assert_eq!(second.json()["operation_state"], "in_progress");
+    let first = first.await.unwrap();
+    assert_eq!(first.status, StatusCode::CREATED);
+    let retry = http.pay(&svc.url, "acme", &key, &order(7)).send().await;
+    assert!(retry.replayed());
+    assert_eq!(retry.body, first.body);
+    assert_eq!(svc.orders().await, 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replay_is_byte_identical_from_memory_and_from_postgres() {
+    let svc = service(|o| o, None).await;
+    let http = Http::default();
+    let key = new_key();
+    let first = http.pay(&svc.url, "acme", &key, &order(7)).send().await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    assert!(!first.replayed());
+    // A second process of the service without replay memory reads the record.
+    let cold = service(
+        |o| {
+            o.replay_memory(idem_core::local::Bounds {
+                entries: 0,
+                bytes: 0,
+            })
+        },
+        Some(&svc),
+    )
+    .await;
+    for url in [&svc.url, &cold.url] {
+        let replay = http.pay(url, "acme", &key, &order(7)).send().await;
+        assert_eq!(replay.status, first.status);
+        assert_eq!(replay.body, first.body, "byte-identical");
+        assert_eq!(replay.header("location"), first.header("location"));
+        assert_eq!(replay.header("content-type"), first.header("content-type"));
+        assert!(replay.replayed());
+        let drift = expires(&replay)
+            .duration_since(expires(&first))
+            .unwrap_or_else(|e| e.duration());
+        assert!(drift <= Duration::from_secs(1), "expiry moved by {drift:?}");
+    }
+    let ttl = expires(&first).duration_since(SystemTime::now()).unwrap();
+    assert!(
+        ttl > Duration::from_secs(86_300),
+        "expires in a day: {ttl:?}"
+    );
+    assert_eq!(svc.orders().await, 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_input_gets_a_problem_and_changes_nothing() {
+    let svc = service(|o| o.max_body_bytes(1024), None).await;
+    let http = Http::default();
+    let missing = http
+        .post(&svc.url)
+        .tenant("acme")
+        .json(&order(7))
+        .send()
+        .await;
+    assert_eq!(missing.status, StatusCode::BAD_REQUEST);
+    assert_eq!(missing.problem(), "idempotency-key-missing");
+    let invalid = http.pay(&svc.url, "acme", "a b", &order(7)).send().await;
+    assert_eq!(invalid.problem(), "idempotency-key-invalid");
+    let unsigned = http
+        .post(&svc.url)
+        .bearer("not-a-token")
+        .key(&new_key())
+        .json(&order(7))
+        .send()
+        .await;
+    assert_eq!(unsigned.status, StatusCode::UNAUTHORIZED);
+    assert_eq!(unsigned.problem(), "unauthorized");
+    let not_json = http
+        .pay(
+            &svc.url,
+            "acme",
+            &new_key(),
+            r#"{"amount": 1, "amount": 2}"#,
+        )
+        .send()
+        .await;
+    assert_eq!(not_json.problem(), "request-invalid");
+    let huge = http
+        .pay(
+            &svc.url,
+            "acme",
+            &new_key(),
+            &format!(r#"{{"pad": "{}"}}"#, "x".repeat(2048)),
+        )
+        .send()
+        .await;
+    assert_eq!(huge.problem(), "payload-too-large");
+    assert_eq!((svc.orders().await, svc.records().await), (0, 0));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tenants_do_not_share_keys() {
+    let svc = service(|o| o, None).await;
+    let http = Http::default();
+    let key = new_key();
+    let acme = http.pay(&svc.url, "acme", &key, &order(7)).send().await;
+    let globex = http.pay(&svc.url, "globex", &key, &order(7)).send().await;
+    assert_eq!(
+        (acme.status, globex.status),
+        (StatusCode::CREATED, StatusCode::CREATED)
+    );
+    assert!(!globex.replayed());
+    assert_ne!(acme.body, globex.body);
+    assert_eq!((svc.orders().await, svc.records().await), (2, 2));
+}
