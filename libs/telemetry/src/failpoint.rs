@@ -37,12 +37,13 @@ pub fn stop_here(name: &str) {
     }
 }
 
-/// `sh -c` script: stop process `$1`, wait (up to 5 s) until it has stopped, then until
-/// it is continued or gone.
+/// `sh -c` script: stop process `$1`, wait (up to 5 s) until it has stopped (or is gone,
+/// killed where it stopped), then until it is continued or gone.
 #[cfg(debug_assertions)]
 const STOP_UNTIL_CONTINUED: &str = r#"kill -STOP "$1" || exit 1
-stopped() { grep -q '^State:[[:space:]]*T' "/proc/$1/status"; }
-i=0; until stopped "$1" || [ "$i" -ge 250 ]; do i=$((i + 1)); sleep 0.02; done
+stopped() { grep -q '^State:[[:space:]]*T' "/proc/$1/status" 2>/dev/null; }
+gone() { [ ! -e "/proc/$1" ]; }
+i=0; until stopped "$1" || gone "$1" || [ "$i" -ge 250 ]; do i=$((i + 1)); sleep 0.02; done
 while stopped "$1"; do sleep 0.05; done"#;
 
 #[cfg(not(debug_assertions))]
