@@ -140,8 +140,9 @@ where
         BodyKind::Raw
     };
     let target = parts.uri.path_and_query().map_or("/", |pq| pq.as_str());
-    let fingerprint =
-        Fingerprint::compute(parts.method.as_str(), target, kind, &body).map_err(|why| {
+    let fingerprint = fingerprint(parts.method.as_str(), target, kind, &body)
+        .await
+        .map_err(|why| {
             Problem::RequestInvalid(format!("the body is not acceptable JSON: {why}"))
         })?;
     let scope = Scope::new(tenant, endpoint, key);
@@ -274,6 +275,25 @@ where
     let mut response = Response::from_parts(head, Body::from(bytes));
     idem_http::set_expires(&mut response, begun + options.ttl);
     Ok(response)
+}
+
+/// Bodies larger than this are fingerprinted on the blocking pool, as at the gateway:
+/// canonical JSON costs milliseconds per MiB, too long for an async worker.
+const FINGERPRINT_INLINE_UP_TO: usize = 32 * 1024;
+
+async fn fingerprint(
+    method: &str,
+    target: &str,
+    kind: BodyKind,
+    body: &Bytes,
+) -> Result<Fingerprint, idem_core::canonical::JsonError> {
+    if body.len() <= FINGERPRINT_INLINE_UP_TO {
+        return Fingerprint::compute(method, target, kind, body);
+    }
+    let (method, target, body) = (method.to_owned(), target.to_owned(), body.clone());
+    tokio::task::spawn_blocking(move || Fingerprint::compute(&method, &target, kind, &body))
+        .await
+        .expect("fingerprinting never panics")
 }
 
 /// What a live record (from the claim, or held in this process) answers. `read`: when
