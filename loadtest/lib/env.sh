@@ -14,7 +14,9 @@ SECRET="load-test-secret-0123"
 cleanup() {
   for pid in "${PIDS[@]}"; do kill "$pid" 2>/dev/null || true; done
   wait 2>/dev/null || true
-  psql -h 127.0.0.1 -U postgres -w -qc "drop database if exists $DB with (force)" postgres >/dev/null 2>&1 || true
+  for db in "$DB" "${DB}_embedded"; do
+    psql -h 127.0.0.1 -U postgres -w -qc "drop database if exists $db with (force)" postgres >/dev/null 2>&1 || true
+  done
   rm -rf "$WORK"
 }
 trap cleanup EXIT
