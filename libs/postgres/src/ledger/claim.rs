@@ -22,54 +22,74 @@ use super::row::{self, Found};
 use super::{PgLedger, column, millis, rules};
 use crate::group::Batch;
 
-/// For each claim of the arrays $1..$8 (tenant, endpoint, key, request hash, attempt,
-/// lease ms, trace context, TTL ms), in order: inserts the row, or takes over one that is
-/// not live (completed and expired); else returns the live row.
-pub const CLAIM_SQL: &str = concat!(
-    "WITH i AS (\
-       SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::bytea[], $5::uuid[], \
-                            $6::float8[], $7::text[], $8::float8[]) WITH ORDINALITY \
-         AS i(tenant_id, endpoint, key, request_hash, attempt, lease_ms, trace_context, \
-              ttl_ms, n)), ",
-    // The live rows, by a plain read first; only the claims with no live row visible
-    // upsert. In the order of the arrays, which is scope order: row locks are taken in
-    // one order everywhere.
-    "seen AS (\
-       SELECT i.n, k.* FROM i CROSS JOIN LATERAL (\
-         SELECT k.* FROM idempotency_keys AS k \
-         WHERE k.tenant_id = i.tenant_id AND k.endpoint = i.endpoint AND k.key = i.key AND ",
-    rules::live!(),
-    // OFFSET 0 keeps the lookup a subquery of its own, run per claim by the key's index,
-    // rather than flattened into a join the planner may answer by scanning live rows.
-    " OFFSET 0) AS k), ",
-    // A key twice in the arrays (a double click, a retry) upserts once, by its first
-    // claim; the later ones read the row again (it may not be visible to this statement).
-    "claimed AS (\
-       INSERT INTO idempotency_keys AS k \
-         (tenant_id, endpoint, key, request_hash, status, attempt, locked_until, \
-          trace_context, created_at, expires_at) \
-       SELECT i.tenant_id, i.endpoint, i.key, i.request_hash, 'in_progress', i.attempt, \
-          now() + i.lease_ms * interval '1 millisecond', i.trace_context, now(), \
-          now() + i.ttl_ms * interval '1 millisecond' \
-       FROM i WHERE NOT EXISTS (SELECT 1 FROM seen WHERE seen.n = i.n) \
-         AND NOT EXISTS (SELECT 1 FROM i AS earlier WHERE earlier.n < i.n \
-           AND earlier.tenant_id = i.tenant_id AND earlier.endpoint = i.endpoint \
-           AND earlier.key = i.key) \
-       ORDER BY i.n \
-       ON CONFLICT (tenant_id, endpoint, key) DO UPDATE SET \
-          request_hash = EXCLUDED.request_hash, status = 'in_progress', \
-          attempt = EXCLUDED.attempt, locked_until = EXCLUDED.locked_until, \
-          response_status = NULL, response_headers = NULL, response_body = NULL, \
-          response_omitted = false, held_since = NULL, first_not_found_at = NULL, \
-          probe_attempts = 0, \
-          trace_context = EXCLUDED.trace_context, created_at = EXCLUDED.created_at, \
-          completed_at = NULL, expires_at = EXCLUDED.expires_at \
-       WHERE NOT ",
-    rules::live!(),
-    " RETURNING k.attempt) \
-     SELECT i.attempt IN (SELECT attempt FROM claimed) AS claimed, ",
-    rules::record_columns!(),
-    " FROM i LEFT JOIN seen AS k ON k.n = i.n ORDER BY i.n"
+/// The claim over the rows `i` the argument selects (tenant_id, endpoint, key,
+/// request_hash, attempt, lease_ms, trace_context, ttl_ms and their position n), in order:
+/// inserts the row, or takes over one that is not live (completed and expired); else
+/// returns the live row. One statement, whatever its rows come from.
+macro_rules! claim_sql {
+    ($claims:literal) => {
+        concat!(
+            "WITH i AS (", $claims, "), ",
+            // The live rows, by a plain read first; only the claims with no live row visible
+            // upsert. In the order of the arrays, which is scope order: row locks are taken in
+            // one order everywhere.
+            "seen AS (\
+               SELECT i.n, k.* FROM i CROSS JOIN LATERAL (\
+                 SELECT k.* FROM idempotency_keys AS k \
+                 WHERE k.tenant_id = i.tenant_id AND k.endpoint = i.endpoint AND k.key = i.key AND ",
+            rules::live!(),
+            // OFFSET 0 keeps the lookup a subquery of its own, run per claim by the key's index,
+            // rather than flattened into a join the planner may answer by scanning live rows.
+            " OFFSET 0) AS k), ",
+            // A key twice in the arrays (a double click, a retry) upserts once, by its first
+            // claim; the later ones read the row again (it may not be visible to this statement).
+            "claimed AS (\
+               INSERT INTO idempotency_keys AS k \
+                 (tenant_id, endpoint, key, request_hash, status, attempt, locked_until, \
+                  trace_context, created_at, expires_at) \
+               SELECT i.tenant_id, i.endpoint, i.key, i.request_hash, 'in_progress', i.attempt, \
+                  now() + i.lease_ms * interval '1 millisecond', i.trace_context, now(), \
+                  now() + i.ttl_ms * interval '1 millisecond' \
+               FROM i WHERE NOT EXISTS (SELECT 1 FROM seen WHERE seen.n = i.n) \
+                 AND NOT EXISTS (SELECT 1 FROM i AS earlier WHERE earlier.n < i.n \
+                   AND earlier.tenant_id = i.tenant_id AND earlier.endpoint = i.endpoint \
+                   AND earlier.key = i.key) \
+               ORDER BY i.n \
+               ON CONFLICT (tenant_id, endpoint, key) DO UPDATE SET \
+                  request_hash = EXCLUDED.request_hash, status = 'in_progress', \
+                  attempt = EXCLUDED.attempt, locked_until = EXCLUDED.locked_until, \
+                  response_status = NULL, response_headers = NULL, response_body = NULL, \
+                  response_omitted = false, held_since = NULL, first_not_found_at = NULL, \
+                  probe_attempts = 0, \
+                  trace_context = EXCLUDED.trace_context, created_at = EXCLUDED.created_at, \
+                  completed_at = NULL, expires_at = EXCLUDED.expires_at \
+               WHERE NOT ",
+            rules::live!(),
+            " RETURNING k.attempt) \
+             SELECT i.attempt IN (SELECT attempt FROM claimed) AS claimed, ",
+            rules::record_columns!(),
+            " FROM i LEFT JOIN seen AS k ON k.n = i.n ORDER BY i.n"
+        )
+    };
+}
+
+/// The claims of a group, over the arrays $1..$8 (tenant, endpoint, key, request hash,
+/// attempt, lease ms, trace context, TTL ms), one element per claim.
+pub const CLAIM_SQL: &str = claim_sql!(
+    "SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::bytea[], $5::uuid[], \
+                          $6::float8[], $7::text[], $8::float8[]) WITH ORDINALITY \
+       AS i(tenant_id, endpoint, key, request_hash, attempt, lease_ms, trace_context, \
+            ttl_ms, n)"
+);
+
+/// The same claim of one row, $1..$8 as scalars: embedded mode's, one per transaction.
+/// Postgres plans the array form afresh for every execution (its generic plan guesses
+/// the arrays' length), which costs more than running it; this one it plans once per
+/// connection, by the key's index.
+pub const CLAIM_ONE_SQL: &str = claim_sql!(
+    "SELECT $1::text AS tenant_id, $2::text AS endpoint, $3::text AS key, \
+       $4::bytea AS request_hash, $5::uuid AS attempt, $6::float8 AS lease_ms, \
+       $7::text AS trace_context, $8::float8 AS ttl_ms, 1::int8 AS n"
 );
 
 /// The live row of one scope ($1, $2, $3).
@@ -110,6 +130,27 @@ impl ClaimRow {
             trace_context: c.trace_context.map(str::to_owned),
             ttl_ms: millis(c.ttl),
         }
+    }
+}
+
+impl ClaimRow {
+    /// This claim alone, by [`CLAIM_ONE_SQL`]: a claim on a caller's transaction.
+    pub(crate) async fn write_one(
+        &self,
+        conn: &mut PgConnection,
+    ) -> Result<<Claims as Batch>::Outcome, sqlx::Error> {
+        let answer = sqlx::query(CLAIM_ONE_SQL)
+            .bind(self.scope.tenant.as_str())
+            .bind(self.scope.endpoint.as_str())
+            .bind(self.scope.key.as_str())
+            .bind(&self.fingerprint[..])
+            .bind(self.attempt)
+            .bind(self.lease_ms)
+            .bind(self.trace_context.as_deref())
+            .bind(self.ttl_ms)
+            .fetch_one(conn)
+            .await?;
+        Ok(claim_outcome(&answer))
     }
 }
 

@@ -12,35 +12,57 @@ use super::{CLOSE_AFTER_BYTES, column, millis, rules};
 use crate::group::Batch;
 use crate::headers;
 
-/// For each completion of the arrays $1..$9 (tenant, endpoint, key, attempt, status,
-/// headers, body, TTL ms, body omitted): fenced by its key and attempt alone (not by
-/// status), so that repeating a completion whose reply was lost finds its own row again
-/// instead of reporting a lost fence. Returns the positions of the rows it changed.
+/// The completion of the rows `i` the argument selects (tenant_id, endpoint, key, attempt,
+/// status, headers, body, ttl_ms, omitted and their position n): each fenced by its key and
+/// attempt alone (not by status), so that repeating a completion whose reply was lost finds
+/// its own row again instead of reporting a lost fence. Returns the positions of the rows
+/// it changed.
 ///
-/// The rows are locked first, in the order of the arrays (scope order), as claims lock
-/// them. The update then finds each row by its key again, never by where the row was
-/// when it was locked: a row another statement updated meanwhile (the reconciler's defer
-/// at lease end, the same completion repeated) has moved, and the update re-checks the
-/// row's newest version against the key and the attempt.
-pub const COMPLETE_SQL: &str = "WITH i AS (\
-       SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::uuid[], $5::int4[], \
-                            $6::jsonb[], $7::bytea[], $8::float8[], $9::bool[]) \
-         WITH ORDINALITY AS i(tenant_id, endpoint, key, attempt, status, headers, body, \
-                              ttl_ms, omitted, n)), \
-     mine AS MATERIALIZED (\
-       SELECT i.* FROM i CROSS JOIN LATERAL (\
-         SELECT 1 FROM idempotency_keys AS k \
-         WHERE k.tenant_id = i.tenant_id AND k.endpoint = i.endpoint AND k.key = i.key \
-           AND k.attempt = i.attempt \
-         FOR UPDATE) AS locked) \
-     UPDATE idempotency_keys AS k SET status = 'completed', \
-       response_status = mine.status, response_headers = mine.headers, \
-       response_body = mine.body, response_omitted = mine.omitted, completed_at = now(), \
-       locked_until = NULL, held_since = NULL, \
-       expires_at = now() + mine.ttl_ms * interval '1 millisecond' \
-     FROM mine WHERE k.tenant_id = mine.tenant_id AND k.endpoint = mine.endpoint \
-       AND k.key = mine.key AND k.attempt = mine.attempt \
-     RETURNING mine.n";
+/// The rows are locked first, in the order of `i` (scope order), as claims lock them. The
+/// update then finds each row by its key again, never by where the row was when it was
+/// locked: a row another statement updated meanwhile (the reconciler's defer at lease end,
+/// the same completion repeated) has moved, and the update re-checks the row's newest
+/// version against the key and the attempt.
+macro_rules! complete_sql {
+    ($completions:literal) => {
+        concat!(
+            "WITH i AS (",
+            $completions,
+            "), \
+             mine AS MATERIALIZED (\
+               SELECT i.* FROM i CROSS JOIN LATERAL (\
+                 SELECT 1 FROM idempotency_keys AS k \
+                 WHERE k.tenant_id = i.tenant_id AND k.endpoint = i.endpoint \
+                   AND k.key = i.key AND k.attempt = i.attempt \
+                 FOR UPDATE) AS locked) \
+             UPDATE idempotency_keys AS k SET status = 'completed', \
+               response_status = mine.status, response_headers = mine.headers, \
+               response_body = mine.body, response_omitted = mine.omitted, \
+               completed_at = now(), locked_until = NULL, held_since = NULL, \
+               expires_at = now() + mine.ttl_ms * interval '1 millisecond' \
+             FROM mine WHERE k.tenant_id = mine.tenant_id AND k.endpoint = mine.endpoint \
+               AND k.key = mine.key AND k.attempt = mine.attempt \
+             RETURNING mine.n"
+        )
+    };
+}
+
+/// The completions of a group, over the arrays $1..$9 (tenant, endpoint, key, attempt,
+/// status, headers, body, TTL ms, body omitted), one element per completion.
+pub const COMPLETE_SQL: &str = complete_sql!(
+    "SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::uuid[], $5::int4[], \
+                          $6::jsonb[], $7::bytea[], $8::float8[], $9::bool[]) \
+       WITH ORDINALITY AS i(tenant_id, endpoint, key, attempt, status, headers, body, \
+                            ttl_ms, omitted, n)"
+);
+
+/// The same completion of one row, $1..$9 as scalars: embedded mode's, in the transaction
+/// that claimed it. Planned once per connection, as [`super::claim::CLAIM_ONE_SQL`] is.
+pub const COMPLETE_ONE_SQL: &str = complete_sql!(
+    "SELECT $1::text AS tenant_id, $2::text AS endpoint, $3::text AS key, \
+       $4::uuid AS attempt, $5::int4 AS status, $6::jsonb AS headers, $7::bytea AS body, \
+       $8::float8 AS ttl_ms, $9::bool AS omitted, 1::int8 AS n"
+);
 
 /// One completion as its pipe queues it.
 #[derive(Debug)]
@@ -70,6 +92,25 @@ impl CompleteRow {
             ttl_ms: millis(ttl),
             omitted: response.body_omitted,
         }
+    }
+}
+
+impl CompleteRow {
+    /// This completion alone, by [`COMPLETE_ONE_SQL`]: on the transaction that claimed it.
+    pub(crate) async fn write_one(&self, conn: &mut PgConnection) -> Result<Fence, sqlx::Error> {
+        let held: Option<i64> = sqlx::query_scalar(COMPLETE_ONE_SQL)
+            .bind(self.scope.tenant.as_str())
+            .bind(self.scope.endpoint.as_str())
+            .bind(self.scope.key.as_str())
+            .bind(self.attempt)
+            .bind(self.status)
+            .bind(&self.headers)
+            .bind(&self.body[..])
+            .bind(self.ttl_ms)
+            .bind(self.omitted)
+            .fetch_optional(conn)
+            .await?;
+        Ok(rules::fence(u64::from(held.is_some())))
     }
 }
 

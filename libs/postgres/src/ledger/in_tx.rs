@@ -1,16 +1,16 @@
-//! The ledger on a caller's transaction, for embedded mode (DESIGN §13): the very claim
-//! and completion statements the gateway's group pipes send ([`CLAIM_SQL`],
-//! [`COMPLETE_SQL`]), one row each, on a connection inside the service's own
-//! transaction, so the claim, the service's business write and the stored answer commit
-//! together or not at all.
+//! The ledger on a caller's transaction, for embedded mode (DESIGN §13): the claim and
+//! the completion the gateway's group pipes send, written for one row ([`CLAIM_ONE_SQL`],
+//! [`COMPLETE_ONE_SQL`]: the same statements, with scalars where the pipes bind arrays),
+//! on a connection inside the service's own transaction, so the claim, the service's
+//! business write and the stored answer commit together or not at all.
 //!
 //! A claim that meets another transaction's uncommitted claim of the same scope waits on
 //! it (Postgres makes an insert that conflicts with an uncommitted row wait for that
 //! transaction's end), as long as the transaction's `lock_timeout` allows: then it finds
 //! the committed answer, or — the other rolled back — claims the key itself.
 //!
-//! [`CLAIM_SQL`]: super::claim::CLAIM_SQL
-//! [`COMPLETE_SQL`]: super::complete::COMPLETE_SQL
+//! [`CLAIM_ONE_SQL`]: super::claim::CLAIM_ONE_SQL
+//! [`COMPLETE_ONE_SQL`]: super::complete::COMPLETE_ONE_SQL
 
 use std::time::Duration;
 
@@ -19,10 +19,9 @@ use idem_core::{
 };
 use sqlx::{PgConnection, Row};
 
-use super::claim::{ClaimRow, Claims, Seen};
-use super::complete::{CompleteRow, Completions};
+use super::claim::{ClaimRow, Seen};
+use super::complete::CompleteRow;
 use super::{CLAIM_ROUNDS, bodies};
-use crate::group::Batch;
 
 /// Why a claim on a transaction did not come to a record.
 #[derive(Debug, thiserror::Error)]
@@ -43,12 +42,7 @@ pub async fn claim(
 ) -> Result<ClaimResult, TxClaimError> {
     let row = ClaimRow::of(claim);
     for _ in 0..CLAIM_ROUNDS {
-        let seen = Claims::write(conn, &[&row]).await.map_err(lock_wait)?;
-        let seen = seen
-            .into_iter()
-            .next()
-            .ok_or_else(|| LedgerError::new(crate::Corrupt("the claim returned no row")))??;
-        match seen {
+        match row.write_one(conn).await.map_err(lock_wait)?? {
             Some(Seen::Claimed) => return Ok(ClaimResult::Claimed),
             Some(Seen::Row(found)) => {
                 let mut record = found.record;
@@ -85,11 +79,10 @@ pub async fn complete(
     response: &StoredResponse,
     ttl: Duration,
 ) -> Result<Fence, LedgerError> {
-    let row = CompleteRow::of(scope, attempt, response, ttl);
-    let fences = Completions::write(conn, &[&row])
+    CompleteRow::of(scope, attempt, response, ttl)
+        .write_one(conn)
         .await
-        .map_err(LedgerError::new)?;
-    Ok(fences.into_iter().next().unwrap_or(Fence::Lost))
+        .map_err(LedgerError::new)
 }
 
 /// `lock_not_available`: the statement waited `lock_timeout` for a lock.
