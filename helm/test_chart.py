@@ -63,7 +63,9 @@ def env_map(container) -> dict:
 class ChartTest(unittest.TestCase):
     cases = {"default": {}, "production": production_values(),
              "oidc": {"auth": {"mode": "oidc", "oidcIssuer": "https://idp.example.com/realms/acme",
-                               "audience": "payments-api"}}}
+                               "audience": "payments-api"}},
+             "tenants": {"config": {"tenants": {"default": {"rate": "500/s", "max_concurrent_requests": 256},
+                                                "acme": {"ttl": "72h", "lease": "1m"}}}}}
 
     def test_lint_is_clean(self):
         for name, values in self.cases.items():
@@ -181,6 +183,18 @@ class ChartTest(unittest.TestCase):
                 render({"auth": {"mode": "oidc", "oidcIssuer": bad}})
         with self.assertRaises(Exception, msg="oidc without an issuer"):
             render({"auth": {"mode": "oidc"}})
+
+    def test_tenants_are_rendered_from_values(self):
+        values = {"config": {"tenants": {"default": {"rate": "500/s", "max_concurrent_requests": 256},
+                                         "acme": {"ttl": "72h", "rate": "2000/s", "burst": 100},
+                                         "globex.example": {"max_body_bytes": 65536}}}}
+        config = tomllib.loads(by_kind(render(values), "ConfigMap", "idemgate")[0]["data"]["idemgate.toml"])
+        self.assertEqual(config["tenants"]["default"], {"rate": "500/s", "max_concurrent_requests": 256})
+        self.assertEqual(config["tenants"]["acme"], {"ttl": "72h", "rate": "2000/s", "burst": 100})
+        self.assertEqual(config["tenants"]["globex.example"], {"max_body_bytes": 65536})
+        for bad in [{"acme": {"rate": "fast"}}, {"acme": {"quota": 5}}, {"acme": {"burst": 0}}]:
+            with self.assertRaises(Exception, msg=str(bad)):
+                render({"config": {"tenants": bad}})
 
     def test_limits_are_values_with_the_binarys_defaults(self):
         # The defaults of the README's limits table, as the binary has them.

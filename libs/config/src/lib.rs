@@ -7,6 +7,7 @@
 //! - [`server`] `[server]`, [`postgres`] `[postgres]`, [`redis`] `[redis]`,
 //!   [`reconciler`] `[reconciler]`, [`idempotency`] `[idempotency]`;
 //!   `[auth]` is `idem_auth::AuthConfig`.
+//! - [`tenants`] `[tenants.default]` and `[tenants.<id>]`: a tenant's policy and quotas.
 //! - [`routes`] `[[routes]]`, and matching a request to its route, with [`template`]
 //!   (path templates) and [`upstream`] (where a route forwards).
 //! - [`error`]: how problems are reported.
@@ -30,6 +31,7 @@ pub mod redis;
 pub mod routes;
 pub mod server;
 pub mod template;
+pub mod tenants;
 #[cfg(test)]
 mod tests;
 pub mod upstream;
@@ -43,6 +45,7 @@ pub use redis::RedisConfig;
 pub use routes::{Probe, Route, RouteTable};
 pub use server::ServerConfig;
 pub use template::PathTemplate;
+pub use tenants::{Rate, TenantConfig, Tenants};
 pub use upstream::Upstream;
 
 /// The validated configuration.
@@ -56,6 +59,8 @@ pub struct Config {
     /// `[idempotency]`, the defaults the routes start from (and embedded mode's policy).
     pub idempotency: IdempotencyConfig,
     pub routes: RouteTable,
+    /// `[tenants.…]`: each tenant's policy (over the route's) and quotas.
+    pub tenants: Tenants,
 }
 
 /// The file as written, before the checks across keys.
@@ -73,6 +78,8 @@ struct RawConfig {
     reconciler: ReconcilerConfig,
     #[serde(default)]
     routes: Vec<routes::RawRoute>,
+    #[serde(default)]
+    tenants: std::collections::BTreeMap<String, TenantConfig>,
 }
 
 impl Config {
@@ -151,6 +158,8 @@ impl RawConfig {
             }
             routes.push(route);
         }
+        let tenants = Tenants::from_raw(self.tenants)?;
+        tenants::check_routes(&tenants, &routes, ledger_op)?;
         Ok(Config {
             server: self.server,
             postgres: self.postgres,
@@ -159,6 +168,7 @@ impl RawConfig {
             reconciler: self.reconciler,
             idempotency: self.idempotency,
             routes: RouteTable::new(routes),
+            tenants,
         })
     }
 }

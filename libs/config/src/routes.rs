@@ -27,6 +27,9 @@ use crate::template::PathTemplate;
 use crate::upstream::Upstream;
 use crate::{ConfigError, IdempotencyConfig, idempotency};
 
+/// Where idemgate's own API lives: no route may be configured under it.
+pub const RESERVED: &str = "/_idemgate/";
+
 /// One configured route.
 #[derive(Debug, Clone)]
 pub struct Route {
@@ -213,6 +216,12 @@ impl RawRoute {
                     "must be an upper-case HTTP method like \"POST\"",
                 )
             })?;
+        if self.path.as_str().starts_with(RESERVED) {
+            return Err(ConfigError::new(
+                format!("{at}.path"),
+                format!("paths under {RESERVED} are idemgate's own (the key lookup API)"),
+            ));
+        }
         ConfigError::first_zero([
             (format!("{at}.timeout").as_str(), self.timeout.is_zero()),
             (

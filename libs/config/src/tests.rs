@@ -316,3 +316,90 @@ fn missing_sections_are_named() {
     let errors = Config::from_toml("[auth]\nhs256_secret = \"x\"").unwrap_err();
     assert!(errors.0.iter().any(|e| e.key == "postgres"), "{errors}");
 }
+
+#[test]
+fn a_tenants_policy_wins_over_the_routes_and_quotas_come_from_the_default() {
+    let config = with(&format!(
+        r#"{ROUTE}
+        ttl = "1h"
+        [tenants.default]
+        rate = "500/s"
+        max_concurrent_requests = 256
+        [tenants.acme]
+        ttl = "72h"
+        max_body_bytes = 4096
+        [tenants."globex.example"]
+        wait_timeout = "1s"
+        "#
+    ))
+    .unwrap();
+    let route = &config.routes.routes()[0];
+    assert_eq!(route.policy.ttl, Duration::from_secs(3600));
+    let acme = config.tenants.get("acme");
+    assert_eq!(
+        acme.policy(&route.policy).ttl,
+        Duration::from_secs(72 * 3600)
+    );
+    assert_eq!(acme.policy(&route.policy).lease, route.policy.lease);
+    assert_eq!(acme.max_body_bytes, Some(4096));
+    assert_eq!(acme.max_concurrent_requests, Some(256), "from the default");
+    assert_eq!(acme.burst().unwrap().get(), 500);
+    // A tenant without an entry: the default's quotas, the route's policy.
+    let other = config.tenants.get("initech");
+    assert_eq!(other.policy(&route.policy).ttl, Duration::from_secs(3600));
+    assert_eq!(other.rate, acme.rate);
+    assert_eq!(
+        config
+            .tenants
+            .get("globex.example")
+            .policy(&route.policy)
+            .wait_timeout,
+        Duration::from_secs(1)
+    );
+}
+
+#[test]
+fn a_bad_tenant_entry_is_named() {
+    assert_eq!(
+        error_key("[tenants.acme]\nrate = \"fast\""),
+        "tenants.acme.rate"
+    );
+    assert_eq!(
+        error_key("[tenants.acme]\nttl = \"0s\""),
+        "tenants.acme.ttl"
+    );
+    assert_eq!(error_key("[tenants.acme]\nburst = 5"), "tenants.acme.burst");
+    assert_eq!(
+        error_key("[tenants.default]\nmax_concurrent_requests = 0"),
+        "tenants.default.max_concurrent_requests"
+    );
+    assert_eq!(error_key("[tenants.acme]\nquota = 5"), "tenants.acme.quota");
+    assert_eq!(
+        error_key("[tenants.\"a b\"]\nmax_body_bytes = 0"),
+        "tenants.\"a b\".max_body_bytes"
+    );
+}
+
+#[test]
+fn the_lease_rule_holds_for_every_tenant_and_route() {
+    // The route's own 30 s lease is fine for its 10 s timeout; acme's 5 s is not.
+    let errors = with(&format!(
+        "{ROUTE}\n[tenants.acme]\nlease = \"5s\"\nttl = \"1h\""
+    ))
+    .unwrap_err();
+    assert_eq!(errors.0[0].key, "tenants.acme.lease");
+    assert!(
+        errors.0[0].message.contains("routes[0] (POST /payments)"),
+        "{errors}"
+    );
+    // A lease longer than the tenant's ttl, on a route.
+    let errors = with(&format!("{ROUTE}\n[tenants.default]\nttl = \"20s\"")).unwrap_err();
+    assert_eq!(errors.0[0].key, "tenants.default.lease", "{errors}");
+    assert!(with(&format!("{ROUTE}\n[tenants.acme]\nlease = \"2m\"")).is_ok());
+}
+
+#[test]
+fn no_route_may_live_under_idemgates_own_paths() {
+    let route = ROUTE.replace("/payments", "/_idemgate/v1/keys");
+    assert_eq!(error_key(&route), "routes[0].path");
+}

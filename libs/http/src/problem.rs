@@ -60,6 +60,13 @@ pub enum Problem {
     },
     /// `server.max_concurrent_requests` are in flight.
     Overloaded,
+    /// The tenant is over its `rate` (DESIGN §14): its bucket has a request again after
+    /// `retry_after`.
+    TenantRateLimited {
+        retry_after: Duration,
+    },
+    /// The tenant has its `max_concurrent_requests` in flight.
+    TenantConcurrencyLimited,
     RequestInvalid(String),
     RouteNotFound,
     UpstreamUnavailable,
@@ -185,6 +192,18 @@ impl Problem {
                 "Overloaded",
                 "Too many requests are in flight; nothing was executed. Retry after the interval in Retry-After.".into(),
             ),
+            TenantRateLimited { .. } => (
+                StatusCode::TOO_MANY_REQUESTS,
+                "tenant-rate-limited",
+                "Tenant rate limit",
+                "This tenant is over its request rate; nothing was executed. Retry after the interval in Retry-After.".into(),
+            ),
+            TenantConcurrencyLimited => (
+                StatusCode::TOO_MANY_REQUESTS,
+                "tenant-concurrency-limited",
+                "Tenant concurrency limit",
+                "This tenant has as many requests in flight as it may; nothing was executed. Retry after the interval in Retry-After.".into(),
+            ),
             RequestInvalid(why) => (
                 StatusCode::BAD_REQUEST,
                 "request-invalid",
@@ -258,8 +277,16 @@ impl IntoResponse for Problem {
                     HeaderValue::from(retry_after.as_secs().max(1)),
                 );
             }
-            Problem::LedgerUnavailable | Problem::OutcomeUnrecorded | Problem::Overloaded => {
+            Problem::LedgerUnavailable
+            | Problem::OutcomeUnrecorded
+            | Problem::Overloaded
+            | Problem::TenantConcurrencyLimited => {
                 headers.insert(header::RETRY_AFTER, HeaderValue::from(1));
+            }
+            Problem::TenantRateLimited { retry_after } => {
+                // Whole seconds, rounded up: a client that waits that long finds a token.
+                let seconds = retry_after.as_secs() + u64::from(retry_after.subsec_nanos() > 0);
+                headers.insert(header::RETRY_AFTER, HeaderValue::from(seconds.max(1)));
             }
             // The rest of the body may still be on its way: this connection is done.
             Problem::RequestTimeout { .. } => {

@@ -26,6 +26,7 @@ use tokio::net::TcpListener;
 use tokio_util::task::TaskTracker;
 
 use crate::limits::{self, RequestLimits};
+use crate::tenants::{self, TenantTable};
 use crate::{handler, observe, server};
 use idem_config::Config;
 use idem_config::RouteTable;
@@ -37,7 +38,8 @@ pub struct AppState {
     pub routes: RouteTable,
     pub engine: Engine<PgLedger, MaybeCache<Local<RedisCache>>>,
     pub client: HttpClient,
-    pub max_body_bytes: usize,
+    /// Each tenant's policy, body limit and quotas (see [`crate::tenants`]).
+    pub tenants: TenantTable,
     pub body_read_timeout: Duration,
     /// Head size and requests in flight (see [`crate::limits`]).
     pub limits: RequestLimits,
@@ -160,12 +162,13 @@ impl Application {
             ledger.clone(),
             postgres_ready.clone(),
         )));
+        let tenants = TenantTable::new(&config.tenants, &config.routes, server.max_body_bytes);
         let state = AppState {
             auth,
+            tenants,
             routes: config.routes,
             engine: Engine::with_cache(ledger, cache),
             client: upstream::pooled_client(),
-            max_body_bytes: server.max_body_bytes,
             body_read_timeout: server.body_read_timeout,
             limits: RequestLimits::new(
                 server.max_header_bytes,
@@ -179,9 +182,21 @@ impl Application {
             postgres_ready,
             readiness,
         };
+        let state = Arc::new(state);
+        // Forgets idle tenants' buckets and counters, for as long as the state lives.
+        let weak = Arc::downgrade(&state);
+        tokio::spawn(async move {
+            let mut every = tokio::time::interval(tenants::TIDY_EVERY);
+            every.tick().await;
+            loop {
+                every.tick().await;
+                let Some(state) = weak.upgrade() else { return };
+                state.tenants.tidy();
+            }
+        });
         Ok(Self {
             listener,
-            state: Arc::new(state),
+            state,
             grace: server.shutdown_grace,
             limits: server::Limits {
                 header_read_timeout: server.header_read_timeout,

@@ -57,6 +57,14 @@ async fn serve(
 ) -> Result<Response, Problem> {
     // Extract.
     let Key(key) = key?;
+    // The tenant's quotas, before anything is read or claimed; its place among its
+    // requests in flight goes with the work, as the slot does.
+    let tenant_permit = app.tenants.admit(&tenant)?.map(Arc::new);
+    let rules = app.tenants.rules(&tenant);
+    let policy = rules
+        .policy(&route.endpoint)
+        .cloned()
+        .unwrap_or_else(|| Arc::new(route.policy.clone()));
     // This request's slot (see [`crate::limits`]): the work it starts holds a clone, so
     // a client that hangs up frees it only once that work has ended.
     let slot = request.extensions().get::<Slot>().cloned();
@@ -68,7 +76,7 @@ async fn serve(
     let body = read_body(
         body,
         &parts.headers,
-        app.max_body_bytes,
+        rules.max_body_bytes,
         app.body_read_timeout,
     )
     .await?;
@@ -100,7 +108,7 @@ async fn serve(
         .map_err(|why| {
             Problem::RequestInvalid(format!("the body is not acceptable JSON: {why}"))
         })?;
-    let wait = route.policy.wait_for(h::preferred_wait(&parts.headers));
+    let wait = policy.wait_for(h::preferred_wait(&parts.headers));
     let scope = Scope::new(tenant.clone(), route.endpoint.clone(), key.clone());
     let span = Span::current();
     // Stored with the claim, so retries can link to this execution's span.
@@ -111,7 +119,7 @@ async fn serve(
     let peeked = app.engine.peek(idem_core::Request {
         scope: &scope,
         fingerprint: &fingerprint,
-        policy: &route.policy,
+        policy: &policy,
         wait,
         trace_context: trace_context.as_deref(),
         gone: Some(&gone),
@@ -127,11 +135,11 @@ async fn serve(
                 .clone()
                 .spawn(
                     async move {
-                        let _slot = slot;
+                        let _slots = (slot, tenant_permit);
                         let request = idem_core::Request {
                             scope: &scope,
                             fingerprint: &fingerprint,
-                            policy: &route.policy,
+                            policy: &policy,
                             wait,
                             trace_context: trace_context.as_deref(),
                             gone: Some(&gone),

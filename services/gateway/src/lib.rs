@@ -11,6 +11,7 @@
 //! - [`server`]: the listener; connection-level limits (head timeout, hard head caps).
 //! - [`limits`]: per-request limits (head size, requests in flight), as middleware.
 //! - [`operator`]: what `idemgate keys` prints about a key.
+//! - [`tenants`]: each tenant's policy, body limit and quotas (429 over them).
 //!
 //! Configuration and routes live in `idem-config`, the upstream client and header rules
 //! in `idem-upstream`, both shared with the reconciler.
@@ -24,6 +25,7 @@ pub mod observe;
 pub mod operator;
 pub mod respond;
 pub mod server;
+pub mod tenants;
 
 pub use idem_http::problem;
 

@@ -81,6 +81,33 @@ fn check_config_names_a_bad_duration() {
     assert!(stderr.contains("idempotency.lease"), "{stderr}");
 }
 
+#[test]
+fn check_config_names_a_bad_tenant_entry() {
+    for (tenant, key, value, named) in [
+        ("acme", "rate", "lots", "tenants.acme.rate"),
+        ("acme", "lease", "5s", "tenants.acme.lease"),
+        (
+            "globex.example",
+            "max_concurrent_requests",
+            "0",
+            "tenants.\"globex.example\".max_concurrent_requests",
+        ),
+    ] {
+        let toml = format!(
+            "{}\n[tenants.\"{tenant}\"]\n{key} = {}\n",
+            good().toml(),
+            if value.parse::<u64>().is_ok() {
+                value.to_owned()
+            } else {
+                format!("{value:?}")
+            }
+        );
+        let (ok, _, stderr) = idemgate(&["check-config"], &toml);
+        assert!(!ok, "{toml}");
+        assert!(stderr.contains(named), "{named}: {stderr}");
+    }
+}
+
 /// A completion sent at the upstream deadline must land within the lease.
 #[test]
 fn check_config_refuses_a_timeout_and_ledger_call_that_outlast_the_lease() {

@@ -1,0 +1,196 @@
+//! Tenants through real HTTP, real Postgres and the real demo (DESIGN §14): a tenant's
+//! own policy, body limit and quotas, each holding for that tenant alone.
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+use http::StatusCode;
+use tokio::task::JoinHandle;
+
+/// Sends every call at once; their answers, in order.
+async fn all(calls: Vec<Call>) -> Vec<Answer> {
+    let sent: Vec<JoinHandle<Answer>> = calls.into_iter().map(|c| tokio::spawn(c.send())).collect();
+    let mut answers = Vec::with_capacity(sent.len());
+    for answer in sent {
+        answers.push(answer.await.unwrap());
+    }
+    answers
+}
+
+/// Ledger calls short enough for a tenant's lease (and so its ttl) of 2 s: the lease
+/// must outlast every route's timeout plus the ledger's op timeout (1 s here).
+fn short(config: TestConfig) -> TestConfig {
+    config
+        .set("postgres.acquire_timeout", "500ms")
+        .set("postgres.statement_timeout", "500ms")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tenants_ttl_is_its_own() {
+    let db = TestDb::create().await;
+    let demo = Demo::start(&db).await;
+    let test_config = short(TestConfig::new(&db))
+        .set("tenants.brief.ttl", "2s")
+        .set("tenants.brief.lease", "2s")
+        .route(Route::idempotent("POST", "/payments", &demo.url()).set("timeout", "500ms"));
+    let gw = Gateway::start(config(test_config)).await;
+    let http = Http::default();
+    let key = new_key();
+    let pay = |tenant: &str| {
+        http.pay(
+            &gw.url("/payments"),
+            tenant,
+            &key,
+            &payment("order-ttl", 100),
+        )
+        .send()
+    };
+    for tenant in ["brief", "acme"] {
+        assert_eq!(pay(tenant).await.status, StatusCode::CREATED);
+        let replay = pay(tenant).await;
+        assert!(replay.replayed(), "{tenant}: a replay within its ttl");
+    }
+
+    // Real time: Postgres's clock judges the 2 s ttl.
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    let brief = pay("brief").await;
+    assert_eq!(brief.status, StatusCode::CREATED);
+    assert!(!brief.replayed(), "brief's key expired after its 2 s");
+    assert_eq!(db.executions("demo_payments", "brief", &key).await, 2);
+    let acme = pay("acme").await;
+    assert!(acme.replayed(), "acme's key is kept for the route's 24 h");
+    assert_eq!(db.executions("demo_payments", "acme", &key).await, 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tenant_over_its_rate_gets_429_while_another_is_served() {
+    let (db, gw, http) = setup_with(
+        |c| {
+            c.set("tenants.default.rate", "5/s")
+                .set("tenants.rate-noisy.rate", "5/s")
+                .set("tenants.rate-calm.rate", "10000/s")
+        },
+        |payments| payments,
+    )
+    .await;
+    let url = gw.url("/payments");
+    let call = |tenant: &str| http.pay(&url, tenant, &new_key(), &payment("order-rate", 100));
+    // Both at once: 40 requests from each, far over the noisy one's 5 a second.
+    let tenants: Vec<&str> = (0..40).flat_map(|_| ["rate-noisy", "rate-calm"]).collect();
+    let answers = all(tenants.iter().map(|t| call(t)).collect()).await;
+    let answers: Vec<(&str, Answer)> = tenants.into_iter().zip(answers).collect();
+
+    let (mut created, mut limited) = (0, 0);
+    for (tenant, answer) in &answers {
+        match *tenant {
+            "rate-calm" => assert_eq!(answer.status, StatusCode::CREATED, "the calm tenant"),
+            _ if answer.status == StatusCode::CREATED => created += 1,
+            _ => {
+                assert_eq!(answer.status, StatusCode::TOO_MANY_REQUESTS);
+                assert_eq!(answer.problem(), "tenant-rate-limited");
+                let retry: u64 = answer.header("retry-after").unwrap().parse().unwrap();
+                assert_eq!(
+                    retry, 1,
+                    "Retry-After: the next token is at most 200 ms away"
+                );
+                assert!(
+                    answer.json().get("operation_state").is_none(),
+                    "nothing was claimed"
+                );
+                limited += 1;
+            }
+        }
+    }
+    // The bucket holds one second of the rate: 5, and perhaps one more refilled meanwhile.
+    assert!((5..=7).contains(&created), "{created} of 40 admitted");
+    assert_eq!(created + limited, 40);
+    // Nothing of the refused requests was claimed or executed.
+    assert_eq!(db.ledger_rows("rate-noisy").await, created);
+    assert_eq!(db.ledger_rows("rate-calm").await, 40);
+
+    // Tenants without an entry get a bucket each from the default.
+    for tenant in ["rate-unnamed-1", "rate-unnamed-2"] {
+        for _ in 0..5 {
+            assert_eq!(
+                call(tenant).send().await.status,
+                StatusCode::CREATED,
+                "{tenant}"
+            );
+        }
+        let over = call(tenant).send().await;
+        assert_eq!(over.status, StatusCode::TOO_MANY_REQUESTS, "{tenant}");
+    }
+
+    let metrics = http.get(&gw.url("/metrics")).send().await;
+    let text = String::from_utf8(metrics.body.to_vec()).unwrap();
+    let counted = metric(
+        &text,
+        "idemgate_tenant_throttled_total{tenant=\"rate-noisy\",quota=\"rate\"}",
+    );
+    assert_eq!(counted, Some(limited as f64), "{text}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tenant_at_its_concurrency_gets_429_and_its_places_come_back() {
+    let (db, gw, http) = setup_with(
+        |c| c.set("tenants.busy.max_concurrent_requests", 2),
+        |payments| payments,
+    )
+    .await;
+    let url = gw.url("/payments");
+    let slow = |tenant: &str| {
+        http.pay(&url, tenant, &new_key(), &payment("order-busy", 100))
+            .demo_delay(600)
+    };
+    let tenants = [
+        "busy", "busy", "busy", "busy", "busy", "busy", "acme", "acme", "acme",
+    ];
+    let answers = all(tenants.map(slow).into()).await;
+    let statuses: Vec<StatusCode> = answers.iter().map(|a| a.status).collect();
+    let busy = &answers[..6];
+    assert_eq!(
+        busy.iter()
+            .filter(|a| a.status == StatusCode::CREATED)
+            .count(),
+        2,
+        "{statuses:?}"
+    );
+    for refused in busy.iter().filter(|a| a.status != StatusCode::CREATED) {
+        assert_eq!(refused.status, StatusCode::TOO_MANY_REQUESTS);
+        assert_eq!(refused.problem(), "tenant-concurrency-limited");
+        assert_eq!(refused.header("retry-after"), Some("1"));
+    }
+    assert!(
+        answers[6..].iter().all(|a| a.status == StatusCode::CREATED),
+        "{statuses:?}"
+    );
+    assert_eq!(db.ledger_rows("busy").await, 2);
+    // Both places are free again once those requests ended.
+    let again = all(vec![slow("busy"), slow("busy")]).await;
+    assert!(again.iter().all(|a| a.status == StatusCode::CREATED));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tenants_body_limit_is_its_own() {
+    let (db, gw, http) = setup_with(
+        |c| c.set("tenants.small.max_body_bytes", 40),
+        |payments| payments,
+    )
+    .await;
+    let body = payment("order-with-a-long-enough-reference", 100);
+    assert!(body.len() > 40);
+    let small = http
+        .pay(&gw.url("/payments"), "small", &new_key(), &body)
+        .send()
+        .await;
+    assert_eq!(small.status, StatusCode::PAYLOAD_TOO_LARGE);
+    assert_eq!(small.problem(), "payload-too-large");
+    assert_eq!(db.ledger_rows("small").await, 0);
+    let acme = http
+        .pay(&gw.url("/payments"), "acme", &new_key(), &body)
+        .send()
+        .await;
+    assert_eq!(acme.status, StatusCode::CREATED);
+}
