@@ -6,12 +6,14 @@ for ci/production-values.yaml, lints it, validates every rendered manifest again
 Kubernetes 1.30 schemas offline (kubernetes-validate), asserts the objects and security
 settings platform teams expect, and runs `idemgate check-config` on the rendered config
 with the environment the Deployment gives it, so the chart can never render a config the
-binary rejects.
+binary rejects. The alert rules (idemgate/files/alerts.yaml) pass `promtool check rules` and
+`promtool test rules helm/alerts_test.yaml`, and the PrometheusRule carries exactly them.
 
 Usage: python3 helm/test_chart.py [path/to/idemgate binary]
 """
 
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -97,6 +99,8 @@ class ChartTest(unittest.TestCase):
         self.assertEqual(by_kind(docs, "ServiceMonitor") + by_kind(docs, "NetworkPolicy"), [], "optional, off by default")
         prod = render(production_values())
         self.assertEqual(len(by_kind(prod, "ServiceMonitor")), 1)
+        self.assertEqual(by_kind(docs, "PrometheusRule"), [], "optional, off by default")
+        self.assertEqual(len(by_kind(prod, "PrometheusRule")), 1)
         self.assertEqual(len(by_kind(prod, "NetworkPolicy")), 1)
         self.assertEqual(prod[0]["metadata"]["name"].split("-")[0], "payments", "fullnameOverride applies")
 
@@ -195,6 +199,20 @@ class ChartTest(unittest.TestCase):
         for bad in [{"acme": {"rate": "fast"}}, {"acme": {"quota": 5}}, {"acme": {"burst": 0}}]:
             with self.assertRaises(Exception, msg=str(bad)):
                 render({"config": {"tenants": bad}})
+
+    def test_alert_rules_pass_promtool_and_are_the_charts(self):
+        promtool = shutil.which("promtool")
+        self.assertIsNotNone(promtool, "promtool missing: apt-get install prometheus (scripts/test installs it)")
+        rules = CHART / "files" / "alerts.yaml"
+        for args in (["check", "rules", str(rules)], ["test", "rules", str(ROOT / "helm" / "alerts_test.yaml")]):
+            run = subprocess.run([promtool, *args], capture_output=True, text=True)
+            self.assertEqual(run.returncode, 0, f"promtool {' '.join(args)}:\n{run.stdout}\n{run.stderr}")
+        # The PrometheusRule carries exactly the rules promtool tested.
+        rendered = by_kind(render(production_values()), "PrometheusRule")[0]["spec"]
+        self.assertEqual(rendered, yaml.safe_load(rules.read_text()))
+        alerts = {r["alert"] for g in rendered["groups"] for r in g["rules"]}
+        self.assertEqual(alerts, {"IdemgateHeldKeysGrowing", "IdemgateFencedCompletions", "IdemgateOutcomeUnrecorded",
+                                  "IdemgateJwksStale", "IdemgateTenantThrottled"})
 
     def test_limits_are_values_with_the_binarys_defaults(self):
         # The defaults of the README's limits table, as the binary has them.

@@ -50,6 +50,8 @@ pub struct AppState {
     pub tasks: TaskTracker,
     /// Completions that lost the fence (the reconciler resolved the row first).
     pub fenced: std::sync::atomic::AtomicU64,
+    /// Executions whose answer could not be recorded (503 `outcome-unrecorded`).
+    pub unrecorded: std::sync::atomic::AtomicU64,
     /// Fetches and refreshes an identity provider's keys, for as long as the state lives.
     pub key_refresh: Option<tokio_util::task::AbortOnDropHandle<()>>,
     /// Whether a writable Postgres answered lately: refreshed in the background.
@@ -178,6 +180,7 @@ impl Application {
             cpu: Arc::new(tokio::sync::Semaphore::new(cpu_heavy)),
             tasks: TaskTracker::new(),
             fenced: Default::default(),
+            unrecorded: Default::default(),
             key_refresh,
             postgres_ready,
             readiness,
@@ -302,6 +305,8 @@ async fn metrics(State(app): State<Arc<AppState>>) -> Response {
     counter!("idemgate_ledger_statements_total").absolute(app.engine.ledger().calls());
     counter!("idemgate_fenced_completions_total")
         .absolute(app.fenced.load(std::sync::atomic::Ordering::Relaxed));
+    counter!("idemgate_outcome_unrecorded_total")
+        .absolute(app.unrecorded.load(std::sync::atomic::Ordering::Relaxed));
     gauge!("idemgate_requests_in_flight").set(app.limits.in_use() as f64);
     let bodies = app.engine.ledger().bodies();
     gauge!("idemgate_replay_bytes_in_flight").set(bodies.held_bytes as f64);
@@ -393,6 +398,14 @@ fn describe_metrics() {
     describe_counter!(
         "idemgate_fenced_completions_total",
         "Late completions rejected by the fence."
+    );
+    describe_counter!(
+        "idemgate_outcome_unrecorded_total",
+        "Executions whose answer could not be recorded: 503 outcome-unrecorded, the key held for the reconciler."
+    );
+    describe_counter!(
+        "idemgate_tenant_throttled_total",
+        "Requests refused by a tenant's quota (429), by tenant (configured ones; others are `other`) and quota."
     );
     describe_gauge!("idemgate_cache_up", "1 while the Redis breaker is closed.");
     describe_gauge!(

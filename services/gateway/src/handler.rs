@@ -15,6 +15,7 @@ use http_body_util::Full;
 use idem_config::Route;
 use idem_core::{
     Attempt, AttemptId, BodyKind, Execution, Fingerprint, IdempotencyKey, Outcome, Scope,
+    UnknownCause,
 };
 use idem_telemetry::metrics::{gauge, histogram};
 use idem_telemetry::propagation;
@@ -154,11 +155,16 @@ async fn serve(
                         let outcome = app.engine.run(request, execute).await;
                         // Counted here, not once the client hears: a fenced completion
                         // mostly follows a stall long enough for the client to give up.
-                        if let Ok(Outcome::Executed {
-                            recorded: false, ..
-                        }) = &outcome
-                        {
-                            app.fenced.fetch_add(1, Ordering::Relaxed);
+                        match &outcome {
+                            Ok(Outcome::Executed {
+                                recorded: false, ..
+                            }) => {
+                                app.fenced.fetch_add(1, Ordering::Relaxed);
+                            }
+                            Ok(Outcome::Unknown(UnknownCause::Ledger)) => {
+                                app.unrecorded.fetch_add(1, Ordering::Relaxed);
+                            }
+                            _ => {}
                         }
                         outcome
                     }

@@ -237,6 +237,47 @@ async fn a_fenced_completion_is_counted_after_its_client_hung_up() {
     assert_eq!(db.executions("demo_payments", "acme", &key).await, 1);
 }
 
+/// An answer that cannot be recorded within the lease (its row locked by someone else
+/// all along) is 503 outcome-unrecorded, the key held for the reconciler, and counted:
+/// `IdemgateOutcomeUnrecorded` alerts on that count.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_answer_that_cannot_be_recorded_is_503_and_counted() {
+    let db = TestDb::create().await;
+    let demo = Demo::start(&db).await;
+    let test_config = TestConfig::new(&db)
+        .set("postgres.acquire_timeout", "300ms")
+        .set("postgres.statement_timeout", "300ms")
+        .set("idempotency.lease", "3s")
+        .route(Route::idempotent("POST", "/payments", &demo.url()).set("timeout", "1s"));
+    let gw = Gateway::start(config(test_config)).await;
+    let http = Http::default();
+    let key = new_key();
+    let paying = paying(&http, &gw, &key, "o-unrecorded", 300).await;
+    // The claim has committed: hold its row until the request has given up.
+    let mut conn = db.connect().await;
+    let mut tx = sqlx::Connection::begin(&mut conn).await.unwrap();
+    let locked: Option<i32> =
+        sqlx::query_scalar("SELECT 1 FROM idempotency_keys WHERE key = $1 FOR UPDATE")
+            .bind(&key)
+            .fetch_optional(&mut *tx)
+            .await
+            .unwrap();
+    assert_eq!(locked, Some(1), "the claim is in the ledger");
+    let answer = paying.await.unwrap();
+    tx.rollback().await.unwrap();
+
+    assert_eq!(answer.status, StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(answer.problem(), "outcome-unrecorded");
+    assert_eq!(answer.json()["operation_state"], "unknown");
+    assert_eq!(db.executions("demo_payments", "acme", &key).await, 1);
+    let text = http.get(&gw.url("/metrics")).send().await.body.to_vec();
+    let counted = metric(
+        &String::from_utf8(text).unwrap(),
+        "idemgate_outcome_unrecorded_total",
+    );
+    assert_eq!(counted, Some(1.0));
+}
+
 /// A payment of `order` under `key` through `gw`, its upstream answering after
 /// `demo_delay` ms; returned once the request had 150 ms to reach the gateway.
 async fn paying(
