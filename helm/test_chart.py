@@ -214,6 +214,24 @@ class ChartTest(unittest.TestCase):
         self.assertEqual(alerts, {"IdemgateHeldKeysGrowing", "IdemgateFencedCompletions", "IdemgateOutcomeUnrecorded",
                                   "IdemgateJwksStale", "IdemgateTenantThrottled"})
 
+    def test_the_dashboard_and_the_alerts_use_only_metrics_idemgate_exports(self):
+        import json
+        import re
+        dashboard = json.loads((CHART / "files" / "dashboard.json").read_text())
+        rendered = by_kind(render(production_values()), "ConfigMap", "dashboard")[0]["data"]["idemgate.json"]
+        self.assertEqual(json.loads(rendered), dashboard)
+        self.assertEqual(by_kind(render({}), "ConfigMap", "dashboard"), [], "optional, off by default")
+        exported = set()
+        for source in list((ROOT / "libs").rglob("*.rs")) + list((ROOT / "services").rglob("*.rs")):
+            if "/tests/" not in str(source):
+                exported |= set(re.findall(r'"(idemgate_[a-z_]+)"', source.read_text()))
+        exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+        rules = yaml.safe_load((CHART / "files" / "alerts.yaml").read_text())
+        exprs += [r["expr"] for g in rules["groups"] for r in g["rules"]]
+        used = {re.sub(r"_bucket$", "", m) for e in exprs for m in re.findall(r"idemgate_[a-z_]+", e)}
+        self.assertTrue(used, "no metrics found in the panels")
+        self.assertEqual(used - exported, set(), "metrics no code exports")
+
     def test_limits_are_values_with_the_binarys_defaults(self):
         # The defaults of the README's limits table, as the binary has them.
         config = tomllib.loads(by_kind(render({}), "ConfigMap", "idemgate")[0]["data"]["idemgate.toml"])
