@@ -49,6 +49,25 @@ impl TestDb {
             .expect("connect to the test database")
     }
 
+    /// Locks the ledger row of `key` (`FOR UPDATE`, on a connection of its own) until the
+    /// lock is released: another session's writes of it wait meanwhile. Panics if there is
+    /// no such row yet.
+    pub async fn lock_row(&self, key: &str) -> RowLock {
+        let mut conn = self.connect().await;
+        sqlx::query("BEGIN")
+            .execute(&mut conn)
+            .await
+            .expect("begin");
+        let locked: Option<i32> =
+            sqlx::query_scalar("SELECT 1 FROM idempotency_keys WHERE key = $1 FOR UPDATE")
+                .bind(key)
+                .fetch_optional(&mut conn)
+                .await
+                .expect("lock the row");
+        assert_eq!(locked, Some(1), "the claim of {key} is in the ledger");
+        RowLock(conn)
+    }
+
     /// Rows in `table` for a tenant and key: the number of executions.
     pub async fn executions(&self, table: &str, tenant: &str, key: &str) -> i64 {
         let mut conn = self.connect().await;
@@ -93,5 +112,18 @@ impl Drop for TestDb {
             });
         })
         .join();
+    }
+}
+
+/// A ledger row held locked by [`TestDb::lock_row`].
+pub struct RowLock(PgConnection);
+
+impl RowLock {
+    /// Ends the lock's transaction, changing nothing.
+    pub async fn release(mut self) {
+        sqlx::query("ROLLBACK")
+            .execute(&mut self.0)
+            .await
+            .expect("release the row");
     }
 }

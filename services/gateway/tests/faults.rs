@@ -254,17 +254,9 @@ async fn an_answer_that_cannot_be_recorded_is_503_and_counted() {
     let key = new_key();
     let paying = paying(&http, &gw, &key, "o-unrecorded", 300).await;
     // The claim has committed: hold its row until the request has given up.
-    let mut conn = db.connect().await;
-    let mut tx = sqlx::Connection::begin(&mut conn).await.unwrap();
-    let locked: Option<i32> =
-        sqlx::query_scalar("SELECT 1 FROM idempotency_keys WHERE key = $1 FOR UPDATE")
-            .bind(&key)
-            .fetch_optional(&mut *tx)
-            .await
-            .unwrap();
-    assert_eq!(locked, Some(1), "the claim is in the ledger");
+    let lock = db.lock_row(&key).await;
     let answer = paying.await.unwrap();
-    tx.rollback().await.unwrap();
+    lock.release().await;
 
     assert_eq!(answer.status, StatusCode::SERVICE_UNAVAILABLE);
     assert_eq!(answer.problem(), "outcome-unrecorded");

@@ -260,18 +260,10 @@ async fn a_completion_that_fails_once_is_retried_within_the_lease() {
     // completion times out waiting for the lock.
     // Real time: the claim commits in the gateway process.
     tokio::time::sleep(Duration::from_millis(300)).await;
-    let mut conn = db.connect().await;
-    let mut tx = sqlx::Connection::begin(&mut conn).await.unwrap();
-    let locked: Option<i32> =
-        sqlx::query_scalar("SELECT 1 FROM idempotency_keys WHERE key = $1 FOR UPDATE")
-            .bind(&key)
-            .fetch_optional(&mut *tx)
-            .await
-            .unwrap();
-    assert_eq!(locked, Some(1), "the claim has committed");
+    let lock = db.lock_row(&key).await;
     // Real time: the row stays locked past the gateway's statement timeout.
     tokio::time::sleep(Duration::from_millis(1500)).await;
-    tx.rollback().await.unwrap();
+    lock.release().await;
 
     let first = first.await.unwrap();
     assert_eq!(first.status, StatusCode::CREATED, "{:?}", first.json());
