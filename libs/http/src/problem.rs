@@ -48,6 +48,9 @@ pub enum Problem {
     },
     /// The operation completed once, but its response was too large to keep.
     ResultUnavailable,
+    /// The lookup found no live record of the key for this tenant and endpoint: the
+    /// same answer whether it was never used, has expired, or is another tenant's.
+    KeyNotFound,
     Unauthorized(AuthError),
     PayloadTooLarge {
         limit: usize,
@@ -191,6 +194,12 @@ impl Problem {
                 "overloaded",
                 "Overloaded",
                 "Too many requests are in flight; nothing was executed. Retry after the interval in Retry-After.".into(),
+            ),
+            KeyNotFound => (
+                StatusCode::NOT_FOUND,
+                "idempotency-key-not-found",
+                "Idempotency-Key not found",
+                "No record of this key for this tenant and endpoint: it was never used, or it has expired.".into(),
             ),
             TenantRateLimited { .. } => (
                 StatusCode::TOO_MANY_REQUESTS,

@@ -27,7 +27,7 @@ use tokio_util::task::TaskTracker;
 
 use crate::limits::{self, RequestLimits};
 use crate::tenants::{self, TenantTable};
-use crate::{handler, observe, server};
+use crate::{handler, lookup, observe, server};
 use idem_config::Config;
 use idem_config::RouteTable;
 use idem_upstream::{self as upstream, HttpClient};
@@ -262,6 +262,19 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/healthz", get(|| async { "ok" }))
         .route("/readyz", get(readyz))
         .route("/metrics", get(metrics))
+        // The tenant's own lookup of its keys (DESIGN §14), traced and counted as requests.
+        .route(
+            lookup::KEYS,
+            get(lookup::list)
+                .fallback(not_here)
+                .layer(axum::middleware::from_fn(observe::observe)),
+        )
+        .route(
+            &format!("{}/{{key}}", lookup::KEYS),
+            get(lookup::show)
+                .fallback(not_here)
+                .layer(axum::middleware::from_fn(observe::observe)),
+        )
         // Limits first (their refusals are counted, not traced), then the span, the
         // metrics and the log line around the request itself.
         .fallback(handler::handle.layer(axum::middleware::from_fn(observe::observe)))
@@ -270,6 +283,11 @@ pub fn router(state: Arc<AppState>) -> Router {
             limits::enforce,
         ))
         .with_state(state)
+}
+
+/// Another method on idemgate's own paths: not a route (404, as for any unconfigured one).
+async fn not_here() -> crate::problem::Problem {
+    crate::problem::Problem::RouteNotFound
 }
 
 /// From what the background check last saw: a probe never reaches Postgres itself.

@@ -11,6 +11,7 @@
 //! - [`server`]: the listener; connection-level limits (head timeout, hard head caps).
 //! - [`limits`]: per-request limits (head size, requests in flight), as middleware.
 //! - [`operator`]: what `idemgate keys` prints about a key.
+//! - [`lookup`]: the tenant's own lookup of its keys (`/_idemgate/v1/keys`).
 //! - [`tenants`]: each tenant's policy, body limit and quotas (429 over them).
 //!
 //! Configuration and routes live in `idem-config`, the upstream client and header rules
@@ -21,6 +22,7 @@ pub mod app;
 pub mod extract;
 pub mod handler;
 pub mod limits;
+pub mod lookup;
 pub mod observe;
 pub mod operator;
 pub mod respond;

@@ -194,3 +194,170 @@ async fn a_tenants_body_limit_is_its_own() {
         .await;
     assert_eq!(acme.status, StatusCode::CREATED);
 }
+
+const TRACEPARENT: &str = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+
+/// `GET /_idemgate/v1/keys/{key}?endpoint=…` as the tenant sees it.
+fn lookup(http: &Http, gw: &Gateway, tenant: &str, key: &str) -> Call {
+    http.get(&gw.url(&format!(
+        "/_idemgate/v1/keys/{key}?endpoint=POST%20%2Fpayments"
+    )))
+    .tenant(tenant)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tenant_looks_up_its_key_in_progress_then_completed_and_never_anothers() {
+    let (_db, gw, http) = setup().await;
+    let key = new_key();
+    let paying = in_flight(
+        http.pay(
+            &gw.url("/payments"),
+            "acme",
+            &key,
+            &payment("order-look", 100),
+        )
+        .header("traceparent", TRACEPARENT)
+        .demo_delay(800)
+        .send(),
+        Duration::from_millis(300),
+    )
+    .await;
+    let running = lookup(&http, &gw, "acme", &key).send().await;
+    assert_eq!(running.status, StatusCode::OK);
+    assert_eq!(running.header("content-type"), Some("application/json"));
+    let body = running.json();
+    assert_eq!(body["state"], "in_progress", "{body}");
+    assert_eq!(body["key"], key.as_str());
+    assert_eq!(body["endpoint"], "POST /payments");
+    assert_eq!(
+        body["expires_at"],
+        serde_json::Value::Null,
+        "held keys have no expiry"
+    );
+    assert_eq!(body["safe_new_key"], false);
+
+    assert_eq!(paying.await.unwrap().status, StatusCode::CREATED);
+    let done = lookup(&http, &gw, "acme", &key).send().await.json();
+    assert_eq!(done["state"], "completed", "{done}");
+    assert_eq!(done["response_status"], 201);
+    assert!(
+        done["completed_at"].is_string() && done["expires_at"].is_string(),
+        "{done}"
+    );
+    // The trace the payment ran in (the client's, continued), to find it by.
+    assert_eq!(
+        done["trace_id"], "4bf92f3577b34da6a3ce929d0e0e4736",
+        "{done}"
+    );
+    let text =
+        String::from_utf8(lookup(&http, &gw, "acme", &key).send().await.body.to_vec()).unwrap();
+    assert!(!text.contains("order-look"), "never the body: {text}");
+
+    // Another tenant's key and a key never used: the same answer, byte for byte.
+    let others = lookup(&http, &gw, "globex", &key).send().await;
+    let absent = lookup(&http, &gw, "acme", &new_key()).send().await;
+    assert_eq!(others.status, StatusCode::NOT_FOUND);
+    assert_eq!(others.problem(), "idempotency-key-not-found");
+    assert_eq!(
+        (others.status, others.body.clone()),
+        (absent.status, absent.body.clone())
+    );
+    // Bad input: a clear 400, and no token: 401.
+    let no_endpoint = http
+        .get(&gw.url(&format!("/_idemgate/v1/keys/{key}")))
+        .tenant("acme")
+        .send()
+        .await;
+    assert_eq!(no_endpoint.status, StatusCode::BAD_REQUEST);
+    assert_eq!(no_endpoint.problem(), "request-invalid");
+    let anonymous = http
+        .get(&gw.url(&format!(
+            "/_idemgate/v1/keys/{key}?endpoint=POST%20%2Fpayments"
+        )))
+        .send()
+        .await;
+    assert_eq!(anonymous.status, StatusCode::UNAUTHORIZED);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tenant_pages_through_its_own_keys_by_state() {
+    let (_db, gw, http) = setup().await;
+    let mut mine = Vec::new();
+    for n in 0..5 {
+        let key = format!("page-{n}-{}", new_key());
+        let paid = http
+            .pay(
+                &gw.url("/payments"),
+                "acme",
+                &key,
+                &payment(&format!("o-{n}"), 100),
+            )
+            .send()
+            .await;
+        assert_eq!(paid.status, StatusCode::CREATED);
+        mine.push(key);
+    }
+    let other = http
+        .pay(
+            &gw.url("/payments"),
+            "globex",
+            &new_key(),
+            &payment("o-g", 100),
+        )
+        .send()
+        .await;
+    assert_eq!(other.status, StatusCode::CREATED);
+    mine.sort();
+
+    let mut seen = Vec::new();
+    let mut cursor: Option<String> = None;
+    for _ in 0..5 {
+        let mut url = "/_idemgate/v1/keys?state=completed&limit=2".to_owned();
+        if let Some(c) = &cursor {
+            url.push_str(&format!("&cursor={c}"));
+        }
+        let page = http.get(&gw.url(&url)).tenant("acme").send().await;
+        assert_eq!(page.status, StatusCode::OK);
+        let page = page.json();
+        let keys = page["keys"].as_array().unwrap();
+        assert!(keys.len() <= 2);
+        seen.extend(keys.iter().map(|k| k["key"].as_str().unwrap().to_owned()));
+        match page["next_cursor"].as_str() {
+            Some(next) => cursor = Some(next.to_owned()),
+            None => break,
+        }
+    }
+    assert_eq!(
+        seen, mine,
+        "every key of acme's, once, in order, and none of globex's"
+    );
+    let held = http
+        .get(&gw.url("/_idemgate/v1/keys?state=unknown"))
+        .tenant("acme")
+        .send()
+        .await
+        .json();
+    assert_eq!(held["keys"].as_array().unwrap().len(), 0, "{held}");
+    let posted = http
+        .post(&gw.url("/_idemgate/v1/keys"))
+        .tenant("acme")
+        .send()
+        .await;
+    assert_eq!(posted.status, StatusCode::NOT_FOUND);
+    assert_eq!(posted.problem(), "route-not-found");
+    for bad in [
+        "state=lost",
+        "limit=0",
+        "limit=101",
+        "cursor=zz",
+        "color=red",
+    ] {
+        let answer = http
+            .get(&gw.url(&format!("/_idemgate/v1/keys?{bad}")))
+            .tenant("acme")
+            .send()
+            .await;
+        assert_eq!(answer.status, StatusCode::BAD_REQUEST, "{bad}");
+        assert_eq!(answer.problem(), "request-invalid", "{bad}");
+    }
+}

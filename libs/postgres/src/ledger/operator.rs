@@ -41,6 +41,38 @@ pub const LIST_HELD_SQL: &str = concat!(
     " ORDER BY k.created_at LIMIT $1"
 );
 
+/// The live row of one scope ($1, $2, $3), as its tenant may see it: an expired
+/// completed row is no row.
+pub const LOOKUP_SQL: &str = concat!(
+    "SELECT ",
+    key_columns!(),
+    " FROM idempotency_keys AS k \
+     WHERE k.tenant_id = $1 AND k.endpoint = $2 AND k.key = $3 AND ",
+    rules::live!()
+);
+
+/// A page of one tenant's live rows ($1), in key order after ($3 endpoint, $4 key), of
+/// the endpoint $2 if not null, in the state $5 if not null (`in_progress`, `unknown`:
+/// held, `completed`), at most $6: by the primary key's index.
+pub const LIST_SQL: &str = concat!(
+    "SELECT ",
+    key_columns!(),
+    " FROM idempotency_keys AS k \
+     WHERE k.tenant_id = $1 AND ($2::text IS NULL OR k.endpoint = $2) \
+       AND (k.endpoint, k.key) > ($3, $4) AND ",
+    rules::live!(),
+    " AND (CASE $5::text \
+       WHEN 'completed' THEN k.status = 'completed' \
+       WHEN 'unknown' THEN coalesce(",
+    rules::held!(),
+    ", false) \
+       WHEN 'in_progress' THEN k.status = 'in_progress' AND NOT coalesce(",
+    rules::held!(),
+    ", false) \
+       ELSE true END) \
+     ORDER BY k.endpoint, k.key LIMIT $6"
+);
+
 pub const COUNT_HELD_SQL: &str = concat!(
     "SELECT count(*) FROM idempotency_keys AS k WHERE ",
     rules::held!()
@@ -127,6 +159,49 @@ impl PgLedger {
         row.as_ref()
             .map(key_info)
             .transpose()
+            .map_err(LedgerError::new)
+    }
+
+    /// The live record of `scope`, as its tenant may see it.
+    pub async fn lookup(&self, scope: &Scope) -> Result<Option<KeyInfo>, LedgerError> {
+        let row = self
+            .bounded(
+                "lookup",
+                Self::on(LOOKUP_SQL, scope).fetch_optional(&self.pool),
+            )
+            .await?;
+        row.as_ref()
+            .map(key_info)
+            .transpose()
+            .map_err(LedgerError::new)
+    }
+
+    /// A page of `tenant`'s live keys in key order, after `after` (endpoint, key), of
+    /// `endpoint` and in `state` when given.
+    pub async fn list_keys(
+        &self,
+        tenant: &str,
+        endpoint: Option<&str>,
+        state: Option<&str>,
+        after: (&str, &str),
+        limit: i64,
+    ) -> Result<Vec<KeyInfo>, LedgerError> {
+        let rows = self
+            .bounded(
+                "list_keys",
+                sqlx::query(LIST_SQL)
+                    .bind(tenant)
+                    .bind(endpoint)
+                    .bind(after.0)
+                    .bind(after.1)
+                    .bind(state)
+                    .bind(limit)
+                    .fetch_all(&self.pool),
+            )
+            .await?;
+        rows.iter()
+            .map(key_info)
+            .collect::<Result<_, _>>()
             .map_err(LedgerError::new)
     }
 
