@@ -153,8 +153,18 @@ impl PgLedger {
 
     /// One key as an operator sees it.
     pub async fn show(&self, scope: &Scope) -> Result<Option<KeyInfo>, LedgerError> {
+        self.one_key("show", SHOW_SQL, scope).await
+    }
+
+    /// The row of `scope` that `sql` (by $1..$3) finds.
+    async fn one_key(
+        &self,
+        operation: &'static str,
+        sql: &'static str,
+        scope: &Scope,
+    ) -> Result<Option<KeyInfo>, LedgerError> {
         let row = self
-            .bounded("show", Self::on(SHOW_SQL, scope).fetch_optional(&self.pool))
+            .bounded(operation, Self::on(sql, scope).fetch_optional(&self.pool))
             .await?;
         row.as_ref()
             .map(key_info)
@@ -164,16 +174,7 @@ impl PgLedger {
 
     /// The live record of `scope`, as its tenant may see it.
     pub async fn lookup(&self, scope: &Scope) -> Result<Option<KeyInfo>, LedgerError> {
-        let row = self
-            .bounded(
-                "lookup",
-                Self::on(LOOKUP_SQL, scope).fetch_optional(&self.pool),
-            )
-            .await?;
-        row.as_ref()
-            .map(key_info)
-            .transpose()
-            .map_err(LedgerError::new)
+        self.one_key("lookup", LOOKUP_SQL, scope).await
     }
 
     /// A page of `tenant`'s live keys in key order, after `after` (endpoint, key), of
