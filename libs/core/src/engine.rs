@@ -9,7 +9,7 @@
 
 use std::future::Future;
 use std::pin::pin;
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
@@ -17,7 +17,8 @@ use tokio_util::sync::CancellationToken;
 use crate::fingerprint::Fingerprint;
 use crate::policy::{Disposition, Policy};
 use crate::ports::{
-    Cache, CacheEntry, CacheLookup, Claim, ClaimResult, Fence, Ledger, LedgerError, NoCache,
+    Cache, CacheEntry, CacheLookup, Claim, ClaimResult, Completed, Fence, Ledger, LedgerError,
+    NoCache,
 };
 use crate::record::{AttemptId, Record, RecordState, StoredResponse};
 use crate::scope::Scope;
@@ -82,9 +83,13 @@ pub enum UnknownCause {
 /// What happened to a request.
 #[derive(Debug)]
 pub enum Outcome<R> {
-    /// This request executed the operation and its result was kept. `recorded` is
-    /// false when the fence was lost (the reconciler resolved the row meanwhile).
-    Executed { response: R, recorded: bool },
+    /// This request executed the operation and its result was kept until `expires_at`,
+    /// or (`None`) not kept: the fence was lost (the reconciler resolved the row
+    /// meanwhile).
+    Executed {
+        response: R,
+        expires_at: Option<SystemTime>,
+    },
     /// The upstream answered with a status the route does not keep; the key is free.
     Released(R),
     /// The upstream answered, but its answer proves nothing (a 5xx on a route with a
@@ -96,6 +101,8 @@ pub enum Outcome<R> {
         response: StoredResponse,
         trace_context: Option<String>,
         waited: bool,
+        /// When the ledger forgets the record, if known.
+        expires_at: Option<SystemTime>,
     },
     /// The key was used before with a different request, whose operation is completed
     /// (or, if not `completed`, still in progress).
@@ -156,6 +163,7 @@ fn cached<R>(entry: CacheEntry, fingerprint: &Fingerprint) -> Outcome<R> {
             response: entry.response,
             trace_context: entry.trace_context,
             waited: false,
+            expires_at: entry.expires_at,
         }
     } else {
         Outcome::Mismatch {
@@ -324,6 +332,7 @@ impl<L: Ledger, C: Cache> Engine<L, C> {
                     response: entry.response,
                     trace_context: entry.trace_context,
                     waited,
+                    expires_at: entry.expires_at,
                 })
             }
             Verdict::Mismatch {
@@ -423,14 +432,14 @@ impl<L: Ledger, C: Cache> Engine<L, C> {
     ) -> Outcome<R> {
         let scope = req.scope;
         let mut pause = FIRST_COMPLETION_RETRY;
-        let (fence, committing) = loop {
+        let (completed, committing) = loop {
             let committing = Instant::now();
             match self
                 .ledger
                 .complete(scope, attempt.id, &stored, req.policy.ttl)
                 .await
             {
-                Ok(fence) => break (fence, committing),
+                Ok(completed) => break (completed, committing),
                 // Repeated only while the repeat, too, would end within the lease.
                 Err(error)
                     if Instant::now() + pause + self.ledger.op_timeout() <= attempt.lease_end =>
@@ -445,22 +454,23 @@ impl<L: Ledger, C: Cache> Engine<L, C> {
                 }
             }
         };
-        match fence {
-            Fence::Held => {
+        match completed {
+            Completed::Recorded { expires_at } => {
                 let entry = CacheEntry {
                     fingerprint: *req.fingerprint,
                     response: stored,
                     trace_context: req.trace_context.map(str::to_owned),
+                    expires_at: Some(expires_at),
                 };
                 // The row expires `ttl` after its commit, which came after `committing`.
                 let ttl = req.policy.ttl.saturating_sub(committing.elapsed());
                 self.cache.complete(scope, attempt.id, &entry, ttl).await;
                 Outcome::Executed {
                     response: passthrough,
-                    recorded: true,
+                    expires_at: Some(expires_at),
                 }
             }
-            Fence::Lost => {
+            Completed::Lost => {
                 tracing::warn!(
                     ?scope,
                     "completion fenced out: the row was resolved by another party"
@@ -468,7 +478,7 @@ impl<L: Ledger, C: Cache> Engine<L, C> {
                 self.cache.unlock(scope, attempt.id).await;
                 Outcome::Executed {
                     response: passthrough,
-                    recorded: false,
+                    expires_at: None,
                 }
             }
         }
@@ -543,6 +553,7 @@ impl Verdict {
                     fingerprint: record.fingerprint,
                     response,
                     trace_context: record.trace_context,
+                    expires_at: record.expires_at,
                 },
                 expires_in: record.expires_in,
             },

@@ -29,8 +29,8 @@ pub use fingerprint::{BodyKind, Fingerprint};
 pub use key::{IdempotencyKey, KeyError};
 pub use policy::{Disposition, OnInProgress, Policy, StatusSet};
 pub use ports::{
-    Busy, Cache, CacheEntry, CacheLookup, Claim, ClaimResult, Fence, Ledger, LedgerError,
-    MaybeCache, NoCache,
+    Busy, Cache, CacheEntry, CacheLookup, Claim, ClaimResult, Completed, Fence, Ledger,
+    LedgerError, MaybeCache, NoCache,
 };
 pub use record::{AttemptId, Record, RecordState, StoredResponse};
 pub use scope::Scope;

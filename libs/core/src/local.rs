@@ -242,6 +242,7 @@ mod tests {
             fingerprint: Fingerprint::from_bytes([1; 32]),
             response: StoredResponse::new(201, Vec::new(), Bytes::from(vec![b'x'; body])),
             trace_context: None,
+            expires_at: None,
         }
     }
 

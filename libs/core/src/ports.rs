@@ -2,7 +2,7 @@
 //! [`Cache`] (Redis). Adapters implement these; the engine never sees SQL or Redis.
 
 use std::future::Future;
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
 use crate::fingerprint::Fingerprint;
 use crate::record::{AttemptId, Record, StoredResponse};
@@ -67,6 +67,25 @@ pub enum Fence {
     Lost,
 }
 
+/// What a fenced completion did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Completed {
+    /// The answer is recorded; the ledger forgets it at `expires_at` (by its own clock).
+    Recorded { expires_at: SystemTime },
+    /// The row no longer belongs to this attempt: nothing was changed.
+    Lost,
+}
+
+impl Completed {
+    /// Whether the completion still held the claim.
+    pub fn fence(self) -> Fence {
+        match self {
+            Self::Recorded { .. } => Fence::Held,
+            Self::Lost => Fence::Lost,
+        }
+    }
+}
+
 /// The durable source of truth (Postgres). Only the ledger decides that an operation
 /// may execute.
 pub trait Ledger: Send + Sync {
@@ -88,14 +107,15 @@ pub trait Ledger: Send + Sync {
         scope: &Scope,
     ) -> impl Future<Output = Result<Option<Record>, LedgerError>> + Send;
 
-    /// Stores the response and marks the record completed, fenced by `attempt`.
+    /// Stores the response and marks the record completed, fenced by `attempt`; the
+    /// record expires `ttl` after the ledger's clock at the write.
     fn complete(
         &self,
         scope: &Scope,
         attempt: AttemptId,
         response: &StoredResponse,
         ttl: Duration,
-    ) -> impl Future<Output = Result<Fence, LedgerError>> + Send;
+    ) -> impl Future<Output = Result<Completed, LedgerError>> + Send;
 
     /// Deletes an in-progress record so a retry may execute, fenced by `attempt`.
     fn release(
@@ -119,6 +139,8 @@ pub struct CacheEntry {
     pub fingerprint: Fingerprint,
     pub response: StoredResponse,
     pub trace_context: Option<String>,
+    /// When the ledger forgets the record (`Idempotency-Expires`), if known.
+    pub expires_at: Option<SystemTime>,
 }
 
 /// What the fast path knows about a scope, from one round trip.

@@ -79,6 +79,9 @@ pub struct Record {
     pub state: RecordState,
     /// The W3C `traceparent` of the first execution, for linking retries to it.
     pub trace_context: Option<String>,
-    /// How long the record still lives, by the ledger's clock when it was read.
+    /// How long the record still lives, by the ledger's clock when it was read (what a
+    /// cached copy may live, whatever the clocks of the two machines say).
     pub expires_in: Option<std::time::Duration>,
+    /// When the ledger forgets it, as the ledger wrote it (`Idempotency-Expires`).
+    pub expires_at: Option<std::time::SystemTime>,
 }

@@ -3,14 +3,14 @@
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
 use bytes::Bytes;
 use idem_core::policy::default_release_statuses;
 use idem_core::{
-    AttemptId, BodyKind, Cache, CacheEntry, CacheLookup, Claim, ClaimResult, Engine, Execution,
-    Fence, Fingerprint, IdempotencyKey, Ledger, LedgerError, OnInProgress, Outcome, Policy, Record,
-    RecordState, Request, Scope, StoredResponse, UnknownCause,
+    AttemptId, BodyKind, Cache, CacheEntry, CacheLookup, Claim, ClaimResult, Completed, Engine,
+    Execution, Fence, Fingerprint, IdempotencyKey, Ledger, LedgerError, OnInProgress, Outcome,
+    Policy, Record, RecordState, Request, Scope, StoredResponse, UnknownCause,
 };
 
 #[derive(Clone, Default)]
@@ -58,6 +58,7 @@ impl Ledger for MemLedger {
                 },
                 trace_context: c.trace_context.map(str::to_owned),
                 expires_in: Some(c.ttl),
+                expires_at: None,
             },
         );
         if self.lose_claim_reply.swap(false, Ordering::SeqCst) {
@@ -75,8 +76,8 @@ impl Ledger for MemLedger {
         scope: &Scope,
         attempt: AttemptId,
         response: &StoredResponse,
-        _: Duration,
-    ) -> Result<Fence, LedgerError> {
+        ttl: Duration,
+    ) -> Result<Completed, LedgerError> {
         self.completes.fetch_add(1, Ordering::SeqCst);
         self.completions_started
             .lock()
@@ -96,9 +97,11 @@ impl Ledger for MemLedger {
         match rows.get_mut(scope) {
             Some(row) if row.attempt == attempt => {
                 row.state = RecordState::Completed(response.clone());
-                Ok(Fence::Held)
+                let expires_at = LEDGER_NOW + ttl;
+                row.expires_at = Some(expires_at);
+                Ok(Completed::Recorded { expires_at })
             }
-            _ => Ok(Fence::Lost),
+            _ => Ok(Completed::Lost),
         }
     }
 
@@ -139,6 +142,9 @@ impl Ledger for MemLedger {
 
 /// The longest one call of the in-memory ledger may take, as it tells the engine.
 const OP_TIMEOUT: Duration = Duration::from_secs(1);
+
+/// The in-memory ledger's clock, which dates every expiry it writes.
+const LEDGER_NOW: SystemTime = SystemTime::UNIX_EPOCH;
 
 fn policy() -> Policy {
     Policy {
@@ -221,12 +227,13 @@ async fn executes_once_then_replays() {
     let engine = Engine::new(MemLedger::default());
     let (first, ran) = run(&engine, r#"{"a":1}"#, None, answered(201, "paid")).await;
     assert!(ran);
+    let kept = LEDGER_NOW + policy().ttl;
     assert!(matches!(
         first,
         Outcome::Executed {
             response: 201,
-            recorded: true
-        }
+            expires_at: Some(at),
+        } if at == kept
     ));
     let (second, ran) = run(&engine, r#"{ "a" : 1 }"#, None, answered(201, "again")).await;
     assert!(!ran, "a replay never executes");
@@ -235,10 +242,16 @@ async fn executes_once_then_replays() {
             response,
             trace_context,
             waited,
+            expires_at,
         } => {
             assert_eq!(response, self::response(201, "paid"));
             assert_eq!(trace_context.as_deref(), Some("00-trace-first"));
             assert!(!waited);
+            assert_eq!(
+                expires_at,
+                Some(kept),
+                "the replay says when the row expires"
+            );
         }
         other => panic!("{other:?}"),
     }
@@ -295,7 +308,13 @@ async fn only_statuses_that_mean_not_processed_release_the_key() {
         ledger.rows.lock().unwrap().clear();
         let (outcome, _) = run(&engine, "{}", None, answered(status, "kept")).await;
         assert!(
-            matches!(outcome, Outcome::Executed { recorded: true, .. }),
+            matches!(
+                outcome,
+                Outcome::Executed {
+                    expires_at: Some(_),
+                    ..
+                }
+            ),
             "{status} is kept and replayed (no probe could settle it)"
         );
     }
@@ -332,7 +351,13 @@ async fn a_completion_that_fails_is_repeated_within_the_lease() {
     ledger.failing_completes.store(3, Ordering::SeqCst);
     let engine = Engine::new(ledger.clone());
     let (outcome, _) = run(&engine, "{}", None, answered(201, "paid")).await;
-    assert!(matches!(outcome, Outcome::Executed { recorded: true, .. }));
+    assert!(matches!(
+        outcome,
+        Outcome::Executed {
+            expires_at: Some(_),
+            ..
+        }
+    ));
     assert_eq!(ledger.completes.load(Ordering::SeqCst), 4);
     let (replay, ran) = run(&engine, "{}", None, answered(201, "again")).await;
     assert!(!ran);
@@ -426,7 +451,7 @@ async fn a_lost_fence_changes_nothing() {
     assert!(matches!(
         outcome,
         Outcome::Executed {
-            recorded: false,
+            expires_at: None,
             ..
         }
     ));
@@ -486,7 +511,13 @@ async fn a_waiting_retry_executes_itself_if_the_first_attempt_released_the_key()
     .await;
     releaser.await.unwrap();
     assert!(ran);
-    assert!(matches!(outcome, Outcome::Executed { recorded: true, .. }));
+    assert!(matches!(
+        outcome,
+        Outcome::Executed {
+            expires_at: Some(_),
+            ..
+        }
+    ));
 }
 
 #[tokio::test(start_paused = true)]
@@ -540,6 +571,7 @@ async fn peek_answers_from_the_in_process_cache_only() {
         fingerprint: paid,
         response: response(201, "paid"),
         trace_context: None,
+        expires_at: None,
     };
     engine
         .cache()
@@ -636,6 +668,7 @@ async fn a_cached_completion_answers_without_the_ledger_after_a_fingerprint_chec
         fingerprint: fp(r#"{"a":1}"#),
         response: response(201, "paid"),
         trace_context: None,
+        expires_at: None,
     };
     let engine = Engine::with_cache(
         MemLedger::default(),
@@ -698,7 +731,13 @@ async fn an_acquired_lock_is_handed_over_with_the_result_or_dropped() {
         FakeCache::answering(FakeLookup::Acquired),
     );
     let (done, _) = run(&engine, r#"{"a":1}"#, None, answered(201, "paid")).await;
-    assert!(matches!(done, Outcome::Executed { recorded: true, .. }));
+    assert!(matches!(
+        done,
+        Outcome::Executed {
+            expires_at: Some(_),
+            ..
+        }
+    ));
     let calls = engine.cache().calls();
     let attempt = looked_up_attempt(&calls);
     assert_eq!(calls[1..], [format!("complete {attempt} 201")], "{calls:?}");

@@ -16,9 +16,9 @@ use bytes::Bytes;
 use idem_core::policy::default_release_statuses;
 use idem_core::reconcile::{self, History, OnUnknown, ProbeAnswer, Resolution, Rules};
 use idem_core::{
-    AttemptId, BodyKind, Cache, CacheEntry, CacheLookup, Claim, ClaimResult, Disposition, Engine,
-    Execution, Fence, Fingerprint, IdempotencyKey, Ledger, LedgerError, OnInProgress, Outcome,
-    Policy, Record, RecordState, Request, Scope, StoredResponse,
+    AttemptId, BodyKind, Cache, CacheEntry, CacheLookup, Claim, ClaimResult, Completed,
+    Disposition, Engine, Execution, Fence, Fingerprint, IdempotencyKey, Ledger, LedgerError,
+    OnInProgress, Outcome, Policy, Record, RecordState, Request, Scope, StoredResponse,
 };
 use proptest::prelude::*;
 use tokio::time::Instant;
@@ -110,6 +110,13 @@ async fn step() -> Result<bool, LedgerError> {
     }
 }
 
+/// A new expiry for each completion of the model's ledger, so that an answer that names
+/// an expiry can be traced to the row's.
+fn next_expiry() -> SystemTime {
+    static COMPLETIONS: AtomicUsize = AtomicUsize::new(1);
+    SystemTime::UNIX_EPOCH + Duration::from_secs(COMPLETIONS.fetch_add(1, Ordering::Relaxed) as u64)
+}
+
 fn lost<T>(lose: bool, value: T) -> Result<T, LedgerError> {
     if lose {
         Err(LedgerError::new(Injected))
@@ -144,6 +151,7 @@ impl Ledger for Ledger_ {
                             },
                             trace_context: None,
                             expires_in: Some(c.ttl),
+                            expires_at: None,
                         },
                         lease_until: now + c.lease,
                         held: false,
@@ -169,17 +177,19 @@ impl Ledger for Ledger_ {
         attempt: AttemptId,
         response: &StoredResponse,
         _: Duration,
-    ) -> Result<Fence, LedgerError> {
+    ) -> Result<Completed, LedgerError> {
         let lose = step().await?;
         let mut rows = self.0.rows.lock().unwrap();
-        let fence = match rows.get_mut(scope) {
+        let completed = match rows.get_mut(scope) {
             Some(row) if row.record.attempt == attempt => {
                 row.record.state = RecordState::Completed(response.clone());
-                Fence::Held
+                let expires_at = next_expiry();
+                row.record.expires_at = Some(expires_at);
+                Completed::Recorded { expires_at }
             }
-            _ => Fence::Lost,
+            _ => Completed::Lost,
         };
-        lost(lose, fence)
+        lost(lose, completed)
     }
 
     async fn release(&self, scope: &Scope, attempt: AttemptId) -> Result<Fence, LedgerError> {
@@ -502,6 +512,7 @@ impl Harness {
                     // The probe's answer: what happened, as a 200.
                     let probe = StoredResponse::new(200, Vec::new(), found.body.clone());
                     row.record.state = RecordState::Completed(probe);
+                    row.record.expires_at = Some(next_expiry());
                     row.record.attempt = AttemptId::random();
                     row.held = false;
                 }
@@ -531,7 +542,25 @@ impl Harness {
         let executions = self.world.executions.lock().unwrap();
         let done = executions.get(scope).map_or(&[][..], Vec::as_slice);
         match outcome {
-            Outcome::Replayed { response, .. } => {
+            Outcome::Replayed {
+                response,
+                expires_at,
+                ..
+            } => {
+                let kept = self
+                    .world
+                    .rows
+                    .lock()
+                    .unwrap()
+                    .get(scope)
+                    .map(|r| r.record.expires_at);
+                if let Some(kept) = kept
+                    && *expires_at != kept
+                {
+                    return Err(format!(
+                        "{scope:?}: a replay said it expires at {expires_at:?}, the row at {kept:?}"
+                    ));
+                }
                 let (variant, first) = done
                     .first()
                     .ok_or_else(|| format!("a replay of {scope:?}, which never executed"))?;
@@ -550,11 +579,15 @@ impl Harness {
             }
             Outcome::Executed {
                 response,
-                recorded: true,
+                expires_at: Some(at),
             } if self.policy.disposition(response.status) == Disposition::Keep => {
                 let rows = self.world.rows.lock().unwrap();
-                match rows.get(scope).map(|r| &r.record.state) {
-                    Some(RecordState::Completed(stored)) if stored.body == response.body => {}
+                match rows
+                    .get(scope)
+                    .map(|r| (&r.record.state, r.record.expires_at))
+                {
+                    Some((RecordState::Completed(stored), kept))
+                        if stored.body == response.body && kept == Some(*at) => {}
                     other => {
                         return Err(format!(
                             "{scope:?} said recorded, but the ledger holds {other:?}"

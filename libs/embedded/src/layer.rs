@@ -29,8 +29,8 @@ use bytes::Bytes;
 use http::{HeaderValue, header};
 use http_body_util::BodyExt;
 use idem_core::{
-    AttemptId, BodyKind, Cache, CacheEntry, Claim, ClaimResult, Fence, Fingerprint, Outcome, Scope,
-    Verdict,
+    AttemptId, BodyKind, Cache, CacheEntry, Claim, ClaimResult, Completed, Fingerprint, Outcome,
+    Scope, Verdict,
 };
 use idem_http::Problem;
 use idem_http::problem::NOT_EXECUTED;
@@ -238,15 +238,15 @@ where
     let kept = (bytes.len() <= options.max_response_bytes).then(|| bytes.clone());
     let stored =
         idem_upstream::headers::to_stored(status, &head.headers, kept, options.store_set_cookie);
-    match in_tx::complete(&mut tx, &scope, attempt, &stored, options.ttl).await {
-        Ok(Fence::Held) => {}
-        Ok(Fence::Lost) => {
+    let expires_at = match in_tx::complete(&mut tx, &scope, attempt, &stored, options.ttl).await {
+        Ok(Completed::Recorded { expires_at }) => expires_at,
+        Ok(Completed::Lost) => {
             // No one else can see the uncommitted claim: this cannot happen.
             tracing::error!(?scope, "the claim vanished inside its own transaction");
             return Err(Problem::Internal);
         }
         Err(error) => return Err(unavailable(&scope, "complete", &error)),
-    }
+    };
     failpoint::stop_here("embedded-before-commit");
     if let Err(error) = tx.commit().await {
         return Err(if in_tx::rolled_back(&error) {
@@ -262,6 +262,7 @@ where
         fingerprint,
         response: stored,
         trace_context: None,
+        expires_at: Some(expires_at),
     };
     // The row expires `ttl` after its transaction began (Postgres's `now()`), which
     // was after `begun`.
@@ -273,7 +274,7 @@ where
     }
     head.headers.remove(header::CONTENT_LENGTH);
     let mut response = Response::from_parts(head, Body::from(bytes));
-    idem_http::set_expires(&mut response, begun + options.ttl);
+    idem_http::set_expires(&mut response, expires_at);
     Ok(response)
 }
 
@@ -304,7 +305,7 @@ async fn existing(
     verdict: Verdict,
     read: Option<tokio::time::Instant>,
 ) -> Response {
-    let (outcome, expires_in) = match verdict {
+    let outcome = match verdict {
         Verdict::Replay { entry, expires_in } => {
             if let (Some(read), Some(left)) = (read, expires_in) {
                 let left = left.saturating_sub(read.elapsed());
@@ -312,35 +313,28 @@ async fn existing(
                     shared.replays.fill(scope, &entry, left).await;
                 }
             }
-            let outcome = Outcome::<Infallible>::Replayed {
+            Outcome::<Infallible>::Replayed {
                 response: entry.response,
                 trace_context: entry.trace_context,
                 waited: false,
-            };
-            (outcome, expires_in)
+                expires_at: entry.expires_at,
+            }
         }
         Verdict::Mismatch {
             completed,
             trace_context,
-        } => (
-            Outcome::Mismatch {
-                completed,
-                trace_context,
-            },
-            None,
-        ),
-        Verdict::Running(record) => (idem_core::engine::in_progress(&record, false), None),
+        } => Outcome::Mismatch {
+            completed,
+            trace_context,
+        },
+        Verdict::Running(record) => idem_core::engine::in_progress(&record, false),
     };
-    let mut response = idem_http::answer(
+    idem_http::answer(
         outcome,
         shared.options.mismatch_status,
         None,
         |never: Infallible| match never {},
-    );
-    if let Some(left) = expires_in {
-        idem_http::set_expires(&mut response, SystemTime::now() + left);
-    }
-    response
+    )
 }
 
 /// The handler's answer to a request that was rolled back: as it came, with

@@ -17,7 +17,8 @@ pub const IDEMPOTENCY_EXPIRES: HeaderName = HeaderName::from_static("idempotency
 
 /// Answers an outcome. `first` turns the answer of the request that executed (or whose
 /// key was released) into the response; `wait` is how long this request was willing to
-/// wait for another attempt.
+/// wait for another attempt. An answer that stored or replayed a record says until when
+/// it is kept (`Idempotency-Expires`); a key still in progress has no expiry yet.
 pub fn answer<R>(
     outcome: Outcome<R>,
     mismatch_status: u16,
@@ -33,14 +34,28 @@ pub fn answer<R>(
         }
     };
     match outcome {
-        Outcome::Executed { response, .. }
-        | Outcome::Released(response)
-        | Outcome::Uncertain(response) => first(response),
+        Outcome::Executed {
+            response,
+            expires_at,
+        } => {
+            let mut response = first(response);
+            if let Some(at) = expires_at {
+                set_expires(&mut response, at);
+            }
+            response
+        }
+        Outcome::Released(response) | Outcome::Uncertain(response) => first(response),
         Outcome::Replayed {
-            response, waited, ..
+            response,
+            waited,
+            expires_at,
+            ..
         } => {
             let mut response = replay(response);
             applied(&mut response, waited);
+            if let Some(at) = expires_at {
+                set_expires(&mut response, at);
+            }
             response
         }
         Outcome::Mismatch { completed, .. } => Problem::KeyReused {

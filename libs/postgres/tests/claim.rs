@@ -56,7 +56,8 @@ async fn a_replay_reads_the_row_without_locking_it() {
             let fence = ledger
                 .complete(&scope, attempt, &response("paid"), Duration::from_secs(60))
                 .await
-                .unwrap();
+                .unwrap()
+                .fence();
             assert_eq!(fence, Fence::Held);
         }
         // Someone else holds the row's lock (a reconciler pass, a slow completion).

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use common::*;
-use idem_core::{AttemptId, ClaimResult, Fence, Ledger, RecordState, StoredResponse};
+use idem_core::{AttemptId, ClaimResult, Completed, Fence, Ledger, RecordState, StoredResponse};
 use idem_postgres::PgLedger;
 use idem_testkit::TestDb;
 
@@ -39,12 +39,52 @@ async fn a_completion_after_the_reconciler_resolved_the_row_is_fenced_out() {
             .complete(&scope, attempt, &response("late"), Duration::from_secs(60))
             .await
             .unwrap(),
-        Fence::Lost
+        Completed::Lost
     );
     assert_eq!(ledger.release(&scope, attempt).await.unwrap(), Fence::Lost);
     let record = ledger.get(&scope).await.unwrap().unwrap();
     assert_eq!(record.state, RecordState::Completed(response("probe")));
     assert_eq!(record.trace_context.as_deref(), Some("00-abc-def-01"));
+}
+
+/// What `Idempotency-Expires` says: the expiry the completion wrote, to the microsecond,
+/// as the completion returns it and as every later read gives it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_completion_says_when_its_row_expires_as_the_row_says_it() {
+    let db = TestDb::create().await;
+    let ledger = ledger(&db).await;
+    let scope = scope("expiry");
+    let (attempt, _) = claim(&ledger, &scope, Duration::from_secs(30)).await;
+    let ttl = Duration::from_secs(3600);
+    let Completed::Recorded { expires_at } = ledger
+        .complete(&scope, attempt, &response("paid"), ttl)
+        .await
+        .unwrap()
+    else {
+        panic!("the attempt owns its row");
+    };
+    let mut conn = db.connect().await;
+    let (written, now): (i64, i64) = sqlx::query_as(
+        "SELECT (extract(epoch from expires_at) * 1000000)::int8, \
+                (extract(epoch from now()) * 1000000)::int8 \
+         FROM idempotency_keys WHERE key = 'expiry'",
+    )
+    .fetch_one(&mut conn)
+    .await
+    .unwrap();
+    let micros = |at: std::time::SystemTime| {
+        at.duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_micros() as i64
+    };
+    assert_eq!(micros(expires_at), written, "the completion's answer");
+    let left = written - now;
+    assert!(
+        (3_590_000_000..=3_600_000_000).contains(&left),
+        "an hour from the completion: {left} µs"
+    );
+    let record = ledger.get(&scope).await.unwrap().unwrap();
+    assert_eq!(record.expires_at, Some(expires_at), "a later read");
 }
 
 /// sqlx never shrinks a connection's write buffer: one that stored a large body would
@@ -73,7 +113,11 @@ async fn a_connection_that_stored_a_large_body_is_closed_after_use() {
             let body = StoredResponse::new(201, Vec::new(), Bytes::from(vec![b'x'; bytes]));
             let ttl = Duration::from_secs(60);
             assert_eq!(
-                ledger.complete(&scope, attempt, &body, ttl).await.unwrap(),
+                ledger
+                    .complete(&scope, attempt, &body, ttl)
+                    .await
+                    .unwrap()
+                    .fence(),
                 Fence::Held
             );
         }
@@ -128,10 +172,10 @@ async fn completions_queued_together_are_each_fenced_by_their_own_attempt() {
     // Real time: the completions reach the pipe while its statement is held.
     tokio::time::sleep(Duration::from_millis(300)).await;
     sqlx::query("ROLLBACK").execute(&mut other).await.unwrap();
-    assert_eq!(held.await.unwrap().unwrap(), Fence::Held);
+    assert_eq!(held.await.unwrap().unwrap().fence(), Fence::Held);
     let mut fences = Vec::new();
     for task in queued {
-        fences.push(task.await.unwrap().unwrap());
+        fences.push(task.await.unwrap().unwrap().fence());
     }
     assert_eq!(fences, [Fence::Held, Fence::Held, Fence::Lost]);
     let written = ledger.written().1;

@@ -55,7 +55,8 @@ async fn a_transactions_claim_and_completion_are_planned_once_per_connection_by_
         assert!(matches!(claimed, ClaimResult::Claimed), "{claimed:?}");
         let fence = in_tx::complete(&mut tx, &scope, attempt, &response("{}"), claim.ttl)
             .await
-            .unwrap();
+            .unwrap()
+            .fence();
         assert_eq!(fence, Fence::Held);
         tx.commit().await.unwrap();
     }

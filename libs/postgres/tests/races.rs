@@ -59,7 +59,7 @@ async fn a_completion_that_waited_on_another_update_of_its_row_still_completes_i
         until_waiting_on_a_lock(&db).await;
         sqlx::query("COMMIT").execute(&mut other).await.unwrap();
         assert_eq!(
-            completing.await.unwrap().unwrap(),
+            completing.await.unwrap().unwrap().fence(),
             Fence::Held,
             "{key}: the attempt still owns its row"
         );
@@ -86,7 +86,8 @@ async fn concurrent_replays_of_a_large_answer_share_one_copy_of_its_body() {
     let fence = ledger
         .complete(&scope, attempt, &stored, Duration::from_secs(60))
         .await
-        .unwrap();
+        .unwrap()
+        .fence();
     assert_eq!(fence, Fence::Held);
 
     // Half of them claim (a retry), half read the row (a waiter polling it).
@@ -147,7 +148,8 @@ async fn replays_beyond_the_bytes_in_flight_are_refused_until_memory_is_free() {
         let fence = ledger
             .complete(&scope, attempt, &stored, ttl)
             .await
-            .unwrap();
+            .unwrap()
+            .fence();
         assert_eq!(fence, Fence::Held);
         scopes.push(scope);
     }

@@ -26,7 +26,8 @@ async fn a_resolution_after_the_gateway_finished_changes_nothing() {
         ledger
             .complete(&scope, attempt, &response("real"), Duration::from_secs(60))
             .await
-            .unwrap(),
+            .unwrap()
+            .fence(),
         Fence::Held
     );
     assert_eq!(

@@ -1,13 +1,14 @@
 //! The cached response's binary form:
 //!
 //! ```text
-//! version u8 (2) | flags u8 (bit 0: body omitted, bit 1: body in the ledger)
-//! | fingerprint [32] | status u16
+//! version u8 (3) | flags u8 (bit 0: body omitted, bit 1: body in the ledger)
+//! | expires_at u64 (Unix milliseconds, 0 if unknown) | fingerprint [32] | status u16
 //! | trace len u16 | trace | header count u16
 //! | (name len u16 | name | value len u32 | value)* | body
 //! ```
 //!
-//! Version 1 (the same without the flags byte) is still read. An entry whose parts do
+//! Versions 2 (without `expires_at`) and 1 (without the flags byte either) are still
+//! read, with no expiry. An entry whose parts do
 //! not fit their length fields is not encoded at all (the ledger serves that scope).
 //!
 //! A body larger than [`INLINE`] is not cached: the entry is written without it, marked
@@ -16,10 +17,12 @@
 //! that want it at the same moment. A few large values in one round trip were enough to
 //! overrun `redis.timeout` and open the breaker, exactly when replays were many.
 
+use std::time::{Duration, SystemTime};
+
 use bytes::Bytes;
 use idem_core::{CacheEntry, Fingerprint, StoredResponse};
 
-const VERSION: u8 = 2;
+const VERSION: u8 = 3;
 const FLAG_OMITTED: u8 = 1;
 const FLAG_IN_LEDGER: u8 = 2;
 
@@ -28,7 +31,7 @@ pub const INLINE: usize = 64 * 1024;
 
 /// Whether the entry's body was left to the ledger (too large to cache).
 pub fn body_in_ledger(bytes: &[u8]) -> bool {
-    matches!(bytes, [VERSION, flags, ..] if flags & FLAG_IN_LEDGER != 0)
+    matches!(bytes, [2 | VERSION, flags, ..] if flags & FLAG_IN_LEDGER != 0)
 }
 
 /// The entry's bytes; `None` if a part is too long for its length field.
@@ -38,10 +41,15 @@ pub fn encode(entry: &CacheEntry) -> Option<Vec<u8>> {
     let body: &[u8] = if in_ledger { &[] } else { &r.body };
     let trace = entry.trace_context.as_deref().unwrap_or("").as_bytes();
     let headers: usize = r.headers.iter().map(|(n, v)| 6 + n.len() + v.len()).sum();
-    let mut out = Vec::with_capacity(2 + 32 + 2 + 2 + trace.len() + 2 + headers + body.len());
+    let mut out = Vec::with_capacity(2 + 8 + 32 + 2 + 2 + trace.len() + 2 + headers + body.len());
     out.push(VERSION);
     let omitted = if r.body_omitted { FLAG_OMITTED } else { 0 };
     out.push(omitted | if in_ledger { FLAG_IN_LEDGER } else { 0 });
+    let expires_at = entry
+        .expires_at
+        .and_then(|at| at.duration_since(SystemTime::UNIX_EPOCH).ok())
+        .map_or(0, |since| u64::try_from(since.as_millis()).unwrap_or(0));
+    out.extend_from_slice(&expires_at.to_be_bytes());
     out.extend_from_slice(entry.fingerprint.as_bytes());
     out.extend_from_slice(&r.status.to_be_bytes());
     out.extend_from_slice(&u16::try_from(trace.len()).ok()?.to_be_bytes());
@@ -61,9 +69,10 @@ pub fn encode(entry: &CacheEntry) -> Option<Vec<u8>> {
 /// in the ledger decodes with an empty body: see [`body_in_ledger`].)
 pub fn decode(bytes: &[u8]) -> Option<CacheEntry> {
     let mut r = Reader(bytes);
-    let flags = match r.take(1)? {
-        [1] => 0,
-        [VERSION] => r.take(1)?[0],
+    let (flags, expires_at) = match r.take(1)? {
+        [1] => (0, 0),
+        [2] => (r.take(1)?[0], 0),
+        [VERSION] => (r.take(1)?[0], r.u64()?),
         _ => return None,
     };
     let fingerprint = Fingerprint::from_bytes(r.take(32)?.try_into().ok()?);
@@ -87,6 +96,8 @@ pub fn decode(bytes: &[u8]) -> Option<CacheEntry> {
             body_omitted: flags & FLAG_OMITTED != 0,
         },
         trace_context: (!trace.is_empty()).then(|| trace.to_owned()),
+        expires_at: (expires_at != 0)
+            .then(|| SystemTime::UNIX_EPOCH + Duration::from_millis(expires_at)),
     })
 }
 
@@ -107,6 +118,9 @@ impl<'a> Reader<'a> {
     fn u32(&mut self) -> Option<u32> {
         Some(u32::from_be_bytes(self.take(4)?.try_into().ok()?))
     }
+    fn u64(&mut self) -> Option<u64> {
+        Some(u64::from_be_bytes(self.take(8)?.try_into().ok()?))
+    }
 }
 
 #[cfg(test)]
@@ -125,6 +139,8 @@ mod tests {
                 Bytes::from_static(b"{\"paymentId\":\"p\"}\x00\xff"),
             ),
             trace_context: trace.map(str::to_owned),
+            // Whole milliseconds: the precision kept.
+            expires_at: Some(SystemTime::UNIX_EPOCH + Duration::from_millis(1_796_000_000_123)),
         }
     }
 
@@ -155,12 +171,24 @@ mod tests {
     }
 
     #[test]
-    fn reads_version_one() {
-        let e = entry(None);
-        let mut v1 = encode(&e).unwrap();
+    fn reads_versions_one_and_two_without_an_expiry() {
+        let mut e = entry(None);
+        let mut v2 = encode(&e).unwrap();
+        v2.drain(2..10);
+        v2[0] = 2;
+        let mut v1 = v2.clone();
         v1.remove(1);
         v1[0] = 1;
+        e.expires_at = None;
+        assert_eq!(decode(&v2), Some(e.clone()));
         assert_eq!(decode(&v1), Some(e));
+    }
+
+    #[test]
+    fn an_unknown_expiry_round_trips() {
+        let mut e = entry(None);
+        e.expires_at = None;
+        assert_eq!(decode(&encode(&e).unwrap()), Some(e));
     }
 
     #[test]
@@ -169,7 +197,7 @@ mod tests {
         assert!(decode(&bytes[..40]).is_none());
         assert!(decode(b"").is_none());
         let mut other = bytes.clone();
-        other[0] = 3;
+        other[0] = 4;
         assert!(decode(&other).is_none());
     }
 

@@ -81,6 +81,21 @@ impl TestDb {
         .expect("count executions")
     }
 
+    /// When the ledger forgets a tenant's key, as an IMF-fixdate written by Postgres
+    /// itself (what `Idempotency-Expires` must say), or `None` if the row has no expiry.
+    pub async fn expiry(&self, tenant: &str, key: &str) -> Option<String> {
+        let mut conn = self.connect().await;
+        sqlx::query_scalar(
+            "SELECT to_char(expires_at AT TIME ZONE 'UTC', 'Dy, DD Mon YYYY HH24:MI:SS \"GMT\"') \
+             FROM idempotency_keys WHERE tenant_id = $1 AND key = $2",
+        )
+        .bind(tenant)
+        .bind(key)
+        .fetch_one(&mut conn)
+        .await
+        .expect("read the key's expiry")
+    }
+
     /// Ledger rows for a tenant (all endpoints and keys).
     pub async fn ledger_rows(&self, tenant: &str) -> i64 {
         let mut conn = self.connect().await;

@@ -157,7 +157,7 @@ async fn serve(
                         // mostly follows a stall long enough for the client to give up.
                         match &outcome {
                             Ok(Outcome::Executed {
-                                recorded: false, ..
+                                expires_at: None, ..
                             }) => {
                                 app.fenced.fetch_add(1, Ordering::Relaxed);
                             }

@@ -361,3 +361,53 @@ async fn a_tenant_pages_through_its_own_keys_by_state() {
         assert_eq!(answer.problem(), "request-invalid", "{bad}");
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idempotency_expires_is_the_records_expiry_on_the_first_answer_and_every_replay() {
+    let db = TestDb::create().await;
+    let demo = Demo::start(&db).await;
+    let redis = RedisServer::start(&[]);
+    let base = TestConfig::new(&db)
+        .set("tenants.hourly.ttl", "1h")
+        .payments(&demo, |r| r);
+    // Two gateways on one Redis, and one without: replays from this process's memory,
+    // from Redis, and from the ledger.
+    let cached = base.clone().redis(&redis.url());
+    let a = Gateway::start(config(cached.clone())).await;
+    let b = Gateway::start(config(cached)).await;
+    let ledger_only = Gateway::start(config(base)).await;
+    let http = Http::default();
+    for tenant in ["hourly", "acme"] {
+        let key = new_key();
+        let pay = |gw: &Gateway| {
+            http.pay(
+                &gw.url("/payments"),
+                tenant,
+                &key,
+                &payment("order-exp", 100),
+            )
+            .send()
+        };
+        let first = pay(&a).await;
+        assert_eq!(first.status, StatusCode::CREATED);
+        let expiry = db
+            .expiry(tenant, &key)
+            .await
+            .expect("a completed key expires");
+        assert_eq!(
+            first.header("idempotency-expires"),
+            Some(expiry.as_str()),
+            "{tenant}: the first answer"
+        );
+        for (from, gw) in [("memory", &a), ("redis", &b), ("ledger", &ledger_only)] {
+            let replay = pay(gw).await;
+            assert!(replay.replayed(), "{tenant}: a replay from {from}");
+            assert_eq!(
+                replay.header("idempotency-expires"),
+                Some(expiry.as_str()),
+                "{tenant}: a replay from {from}"
+            );
+        }
+    }
+    assert_eq!(b.cache_stats().hits, 2, "b replayed both keys from Redis");
+}

@@ -4,7 +4,7 @@
 use std::time::Duration;
 
 use bytes::Bytes;
-use idem_core::{AttemptId, Fence, Scope, StoredResponse};
+use idem_core::{AttemptId, Completed, Scope, StoredResponse};
 use sqlx::PgConnection;
 use uuid::Uuid;
 
@@ -16,7 +16,7 @@ use crate::headers;
 /// status, headers, body, ttl_ms, omitted and their position n): each fenced by its key and
 /// attempt alone (not by status), so that repeating a completion whose reply was lost finds
 /// its own row again instead of reporting a lost fence. Returns the positions of the rows
-/// it changed.
+/// it changed, each with its new expiry.
 ///
 /// The rows are locked first, in the order of `i` (scope order), as claims lock them. The
 /// update then finds each row by its key again, never by where the row was when it was
@@ -42,7 +42,9 @@ macro_rules! complete_sql {
                expires_at = now() + mine.ttl_ms * interval '1 millisecond' \
              FROM mine WHERE k.tenant_id = mine.tenant_id AND k.endpoint = mine.endpoint \
                AND k.key = mine.key AND k.attempt = mine.attempt \
-             RETURNING mine.n"
+             RETURNING mine.n, ",
+            $crate::ledger::rules::epoch_micros!("k.expires_at"),
+            " AS expires_at_us"
         )
     };
 }
@@ -97,8 +99,11 @@ impl CompleteRow {
 
 impl CompleteRow {
     /// This completion alone, by [`COMPLETE_ONE_SQL`]: on the transaction that claimed it.
-    pub(crate) async fn write_one(&self, conn: &mut PgConnection) -> Result<Fence, sqlx::Error> {
-        let held: Option<i64> = sqlx::query_scalar(COMPLETE_ONE_SQL)
+    pub(crate) async fn write_one(
+        &self,
+        conn: &mut PgConnection,
+    ) -> Result<Completed, sqlx::Error> {
+        let held: Option<(i64, i64)> = sqlx::query_as(COMPLETE_ONE_SQL)
             .bind(self.scope.tenant.as_str())
             .bind(self.scope.endpoint.as_str())
             .bind(self.scope.key.as_str())
@@ -110,7 +115,7 @@ impl CompleteRow {
             .bind(self.omitted)
             .fetch_optional(conn)
             .await?;
-        Ok(rules::fence(u64::from(held.is_some())))
+        Ok(completed(held.map(|(_, expires_at)| expires_at)))
     }
 }
 
@@ -120,7 +125,7 @@ pub(crate) struct Completions;
 
 impl Batch for Completions {
     type Row = CompleteRow;
-    type Outcome = Fence;
+    type Outcome = Completed;
     const OPERATION: &'static str = "complete";
     const SKIP_ABANDONED: bool = false;
     const ONE_PER_SCOPE: bool = true;
@@ -142,8 +147,8 @@ impl Batch for Completions {
     async fn write(
         conn: &mut PgConnection,
         rows: &[&CompleteRow],
-    ) -> Result<Vec<Fence>, sqlx::Error> {
-        let held: Vec<i64> = sqlx::query_scalar(COMPLETE_SQL)
+    ) -> Result<Vec<Completed>, sqlx::Error> {
+        let held: Vec<(i64, i64)> = sqlx::query_as(COMPLETE_SQL)
             .bind(column(rows, |r| r.scope.tenant.as_str()))
             .bind(column(rows, |r| r.scope.endpoint.as_str()))
             .bind(column(rows, |r| r.scope.key.as_str()))
@@ -157,7 +162,17 @@ impl Batch for Completions {
             .await?;
         // The statement returns the (1-based) positions of the rows it changed.
         Ok((1..=rows.len() as i64)
-            .map(|n| rules::fence(u64::from(held.contains(&n))))
+            .map(|n| completed(held.iter().find(|(at, _)| *at == n).map(|&(_, e)| e)))
             .collect())
+    }
+}
+
+/// A completion that changed its row (and gave the row's new expiry), or did not.
+fn completed(expires_at_us: Option<i64>) -> Completed {
+    match expires_at_us {
+        Some(us) => Completed::Recorded {
+            expires_at: rules::system_time(us),
+        },
+        None => Completed::Lost,
     }
 }

@@ -15,7 +15,7 @@
 use std::time::Duration;
 
 use idem_core::{
-    AttemptId, Claim, ClaimResult, Fence, LedgerError, RecordState, Scope, StoredResponse,
+    AttemptId, Claim, ClaimResult, Completed, LedgerError, RecordState, Scope, StoredResponse,
 };
 use sqlx::{PgConnection, Row};
 
@@ -78,7 +78,7 @@ pub async fn complete(
     attempt: AttemptId,
     response: &StoredResponse,
     ttl: Duration,
-) -> Result<Fence, LedgerError> {
+) -> Result<Completed, LedgerError> {
     CompleteRow::of(scope, attempt, response, ttl)
         .write_one(conn)
         .await

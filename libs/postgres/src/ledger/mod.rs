@@ -33,8 +33,8 @@ use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use idem_core::{
-    AttemptId, Claim, ClaimResult, Fence, Ledger, LedgerError, Record, RecordState, Scope,
-    StoredResponse,
+    AttemptId, Claim, ClaimResult, Completed, Fence, Ledger, LedgerError, Record, RecordState,
+    Scope, StoredResponse,
 };
 use sqlx::postgres::PgArguments;
 use sqlx::query::Query;
@@ -323,7 +323,7 @@ impl Ledger for PgLedger {
         attempt: AttemptId,
         response: &StoredResponse,
         ttl: Duration,
-    ) -> Result<Fence, LedgerError> {
+    ) -> Result<Completed, LedgerError> {
         idem_telemetry::failpoint::stop_here("stop-before-complete");
         let row = complete::CompleteRow::of(scope, attempt, response, ttl);
         self.traced("complete", self.completions().write(row)).await

@@ -66,6 +66,10 @@ pub(crate) fn record(row: &PgRow) -> Result<Found, LedgerError> {
             .try_get::<Option<f64>, _>("expires_in_ms")
             .map_err(e)?
             .map(|ms| Duration::from_secs_f64(ms.max(0.0) / 1000.0)),
+        expires_at: row
+            .try_get::<Option<i64>, _>("expires_at_us")
+            .map_err(e)?
+            .map(super::rules::system_time),
     };
     Ok(Found {
         record,

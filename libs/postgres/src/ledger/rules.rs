@@ -34,6 +34,8 @@
 //! [`DEFER_SQL`]: super::reconcile::DEFER_SQL
 //! [`PURGE_SQL`]: super::purge::PURGE_SQL
 
+use std::time::{Duration, SystemTime};
+
 use idem_core::Fence;
 
 /// A live row: in progress (never expired, whatever its TTL), or completed and not yet
@@ -78,12 +80,33 @@ macro_rules! record_columns {
                AS response_body, \
              octet_length(k.response_body) AS response_bytes, k.response_omitted, \
              k.trace_context, \
-             (extract(epoch from (k.expires_at - now())) * 1000)::float8 AS expires_in_ms"
+             (extract(epoch from (k.expires_at - now())) * 1000)::float8 AS expires_in_ms, \
+             ",
+            $crate::ledger::rules::epoch_micros!("k.expires_at"),
+            " AS expires_at_us"
         )
     };
 }
 
-pub(crate) use {held, lease_over, live, owned_by_attempt, record_columns};
+/// A timestamp as whole microseconds since the Unix epoch (exact: `extract` gives a
+/// numeric), to be read with [`system_time`].
+macro_rules! epoch_micros {
+    ($column:literal) => {
+        concat!("(extract(epoch from ", $column, ") * 1000000)::int8")
+    };
+}
+
+pub(crate) use {epoch_micros, held, lease_over, live, owned_by_attempt, record_columns};
+
+/// A timestamp read by `epoch_micros!`.
+pub(crate) fn system_time(micros: i64) -> SystemTime {
+    let since = Duration::from_micros(micros.unsigned_abs());
+    if micros >= 0 {
+        SystemTime::UNIX_EPOCH + since
+    } else {
+        SystemTime::UNIX_EPOCH - since
+    }
+}
 
 /// A fenced write held its row if it changed exactly one.
 pub(crate) fn fence(rows: u64) -> Fence {
