@@ -4,7 +4,7 @@
 //! [`ConfigError`] naming the key at fault.
 //!
 //! # Layout: one file per section, each with the table of its keys
-//! - [`server`] `[server]`, [`postgres`] `[postgres]`, [`redis`] `[redis]`,
+//! - [`server`] `[server]`, [`admin`] `[admin]`, [`postgres`] `[postgres]`, [`redis`] `[redis]`,
 //!   [`reconciler`] `[reconciler]`, [`idempotency`] `[idempotency]`;
 //!   `[auth]` is `idem_auth::AuthConfig`.
 //! - [`tenants`] `[tenants.default]` and `[tenants.<id>]`: a tenant's policy and quotas.
@@ -23,6 +23,7 @@ use figment::providers::{Env, Format, Toml};
 use idem_auth::AuthConfig;
 use serde::Deserialize;
 
+pub mod admin;
 pub mod error;
 pub mod idempotency;
 pub mod postgres;
@@ -36,6 +37,7 @@ pub mod tenants;
 mod tests;
 pub mod upstream;
 
+pub use admin::AdminConfig;
 pub use error::{ConfigError, ConfigErrors};
 pub use idem_core::reconcile::OnUnknown;
 pub use idempotency::IdempotencyConfig;
@@ -52,6 +54,8 @@ pub use upstream::Upstream;
 #[derive(Debug, Clone)]
 pub struct Config {
     pub server: ServerConfig,
+    /// `[admin]`: the operator's HTTP API, off unless `admin.listen` is set.
+    pub admin: AdminConfig,
     pub postgres: PostgresConfig,
     pub redis: Option<RedisConfig>,
     pub auth: AuthConfig,
@@ -69,6 +73,8 @@ pub struct Config {
 struct RawConfig {
     #[serde(default)]
     server: ServerConfig,
+    #[serde(default)]
+    admin: AdminConfig,
     postgres: PostgresConfig,
     redis: Option<RedisConfig>,
     auth: AuthConfig,
@@ -126,6 +132,7 @@ impl Config {
 impl RawConfig {
     fn validate(self) -> Result<Config, ConfigErrors> {
         self.server.validate()?;
+        self.admin.validate()?;
         self.postgres.validate()?;
         if let Some(redis) = &self.redis {
             redis.validate()?;
@@ -162,6 +169,7 @@ impl RawConfig {
         tenants::check_routes(&tenants, &routes, ledger_op)?;
         Ok(Config {
             server: self.server,
+            admin: self.admin,
             postgres: self.postgres,
             redis: self.redis,
             auth: self.auth,

@@ -403,3 +403,48 @@ fn no_route_may_live_under_idemgates_own_paths() {
     let route = ROUTE.replace("/payments", "/_idemgate/v1/keys");
     assert_eq!(error_key(&route), "routes[0].path");
 }
+
+#[test]
+fn the_admin_api_is_off_by_default_and_needs_a_token_file_of_a_long_token() {
+    let config = with("").unwrap();
+    assert!(config.admin.listen.is_none());
+    assert!(config.admin.token().unwrap().is_none());
+    assert_eq!(
+        error_key("[admin]\nlisten = \"127.0.0.1:9100\""),
+        "admin.token_file"
+    );
+    assert_eq!(error_key("[admin]\ntoken_file = \"/x\""), "admin.listen");
+    assert_eq!(error_key("[admin]\nlisten = \"nowhere\""), "admin.listen");
+
+    let dir = std::env::temp_dir().join(format!("idem-admin-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("token");
+    let admin = |token: &str| {
+        std::fs::write(&file, token).unwrap();
+        with(&format!(
+            "[admin]\nlisten = \"127.0.0.1:9100\"\ntoken_file = {:?}",
+            file.to_str().unwrap()
+        ))
+        .unwrap()
+        .admin
+        .token()
+    };
+    assert_eq!(admin("short\n").unwrap_err().key, "admin.token_file");
+    use secrecy::ExposeSecret;
+    let token = admin("0123456789abcdef0123\n").unwrap().unwrap();
+    assert_eq!(token.expose_secret(), "0123456789abcdef0123", "trimmed");
+    std::fs::remove_file(&file).unwrap();
+    assert_eq!(admin_missing(&file), "admin.token_file");
+}
+
+fn admin_missing(file: &std::path::Path) -> String {
+    with(&format!(
+        "[admin]\nlisten = \"127.0.0.1:9100\"\ntoken_file = {:?}",
+        file.to_str().unwrap()
+    ))
+    .unwrap()
+    .admin
+    .token()
+    .unwrap_err()
+    .key
+}

@@ -52,6 +52,10 @@ pub enum Problem {
     /// same answer whether it was never used, has expired, or is another tenant's.
     KeyNotFound,
     Unauthorized(AuthError),
+    /// An admin call without the bearer token of `admin.token_file`.
+    AdminUnauthorized,
+    /// An operator's release that changed nothing, and why (DESIGN §6).
+    ReleaseRefused(String),
     PayloadTooLarge {
         limit: usize,
     },
@@ -72,6 +76,11 @@ pub enum Problem {
     TenantConcurrencyLimited,
     RequestInvalid(String),
     RouteNotFound,
+    /// One of idemgate's own paths (lookup, admin), with a method it does not serve:
+    /// `allow` lists the ones it does.
+    MethodNotAllowed {
+        allow: &'static str,
+    },
     UpstreamUnavailable,
     UpstreamTimeout,
     /// The ledger could not be reached; nothing was executed.
@@ -168,6 +177,18 @@ impl Problem {
                 "Unauthorized",
                 why.to_string(),
             ),
+            AdminUnauthorized => (
+                StatusCode::UNAUTHORIZED,
+                "unauthorized",
+                "Unauthorized",
+                "Admin calls need `Authorization: Bearer` with the token of admin.token_file.".into(),
+            ),
+            ReleaseRefused(why) => (
+                StatusCode::CONFLICT,
+                "release-refused",
+                "Release refused",
+                why.clone(),
+            ),
             PayloadTooLarge { limit } => (
                 StatusCode::PAYLOAD_TOO_LARGE,
                 "payload-too-large",
@@ -224,6 +245,12 @@ impl Problem {
                 "route-not-found",
                 "Route not found",
                 "No route is configured for this method and path.".into(),
+            ),
+            MethodNotAllowed { allow } => (
+                StatusCode::METHOD_NOT_ALLOWED,
+                "method-not-allowed",
+                "Method not allowed",
+                format!("This path answers {allow} only."),
             ),
             UpstreamUnavailable => (
                 StatusCode::BAD_GATEWAY,
@@ -300,6 +327,15 @@ impl IntoResponse for Problem {
             // The rest of the body may still be on its way: this connection is done.
             Problem::RequestTimeout { .. } => {
                 headers.insert(header::CONNECTION, HeaderValue::from_static("close"));
+            }
+            Problem::MethodNotAllowed { allow } => {
+                headers.insert(header::ALLOW, HeaderValue::from_static(allow));
+            }
+            Problem::AdminUnauthorized => {
+                headers.insert(
+                    header::WWW_AUTHENTICATE,
+                    HeaderValue::from_static("Bearer realm=\"idemgate-admin\""),
+                );
             }
             Problem::Unauthorized(why) => {
                 let challenge = match why {

@@ -88,6 +88,8 @@ async fn watch_readiness(ledger: PgLedger, ready: Arc<AtomicBool>) {
 /// A gateway, bound and ready to serve.
 pub struct Application {
     listener: TcpListener,
+    /// The admin API's listener and token, when `admin.listen` is set.
+    admin: Option<(TcpListener, secrecy::SecretString)>,
     state: Arc<AppState>,
     grace: Duration,
     limits: server::Limits,
@@ -141,6 +143,15 @@ impl Application {
         let listener = TcpListener::bind(config.server.listen)
             .await
             .with_context(|| format!("binding server.listen = {}", config.server.listen))?;
+        let admin = match (config.admin.listen, config.admin.token()?) {
+            (Some(at), Some(token)) => Some((
+                TcpListener::bind(at)
+                    .await
+                    .with_context(|| format!("binding admin.listen = {at}"))?,
+                token,
+            )),
+            _ => None,
+        };
         let op_timeout = config.postgres.op_timeout();
         let server = &config.server;
         // Large-body fingerprints run on at most all cores but one, so however many
@@ -199,6 +210,7 @@ impl Application {
         });
         Ok(Self {
             listener,
+            admin,
             state,
             grace: server.shutdown_grace,
             limits: server::Limits {
@@ -215,6 +227,13 @@ impl Application {
         self.state.clone()
     }
 
+    /// Where the admin API serves, when it is on.
+    pub fn admin_addr(&self) -> Option<SocketAddr> {
+        self.admin
+            .as_ref()
+            .map(|(l, _)| l.local_addr().expect("a bound listener has an address"))
+    }
+
     pub fn local_addr(&self) -> SocketAddr {
         self.listener
             .local_addr()
@@ -229,8 +248,20 @@ impl Application {
     ) -> anyhow::Result<()> {
         let router = router(self.state.clone());
         let (stopping_tx, stopping_rx) = tokio::sync::oneshot::channel::<()>();
+        let stopping = tokio_util::sync::CancellationToken::new();
+        // The admin API stops accepting when the gateway does; its calls are short.
+        let _admin = self.admin.map(|(listener, token)| {
+            let router = crate::admin::router(self.state.clone(), token);
+            tokio_util::task::AbortOnDropHandle::new(tokio::spawn(server::serve(
+                listener,
+                router,
+                self.limits,
+                stopping.clone().cancelled_owned(),
+            )))
+        });
         let served = server::serve(self.listener, router, self.limits, async move {
             shutdown.await;
+            stopping.cancel();
             let _ = stopping_tx.send(());
         });
         let mut server = tokio::spawn(served);
@@ -285,9 +316,9 @@ pub fn router(state: Arc<AppState>) -> Router {
         .with_state(state)
 }
 
-/// Another method on idemgate's own paths: not a route (404, as for any unconfigured one).
+/// Another method on the lookup's paths: 405, naming the one they answer.
 async fn not_here() -> crate::problem::Problem {
-    crate::problem::Problem::RouteNotFound
+    crate::problem::Problem::MethodNotAllowed { allow: "GET" }
 }
 
 /// From what the background check last saw: a probe never reaches Postgres itself.

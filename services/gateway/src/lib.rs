@@ -18,12 +18,14 @@
 //! in `idem-upstream`, both shared with the reconciler.
 #![forbid(unsafe_code)]
 
+pub mod admin;
 pub mod app;
 pub mod extract;
 pub mod handler;
 pub mod limits;
 pub mod lookup;
 pub mod observe;
+pub mod openapi;
 pub mod operator;
 pub mod respond;
 pub mod server;

@@ -11,32 +11,59 @@
 use std::sync::Arc;
 
 use axum::Json;
+use axum::extract::rejection::PathRejection;
 use axum::extract::{Path, RawQuery, State};
 use axum::response::{IntoResponse, Response};
 use chrono::{DateTime, SecondsFormat, Utc};
 use idem_core::{IdempotencyKey, Scope};
 use idem_postgres::ledger::KeyInfo;
-use serde_json::{Value, json};
+use serde::Serialize;
+use utoipa::ToSchema;
 
 use crate::app::AppState;
 use crate::extract::Tenant;
+use crate::openapi::ProblemDoc;
 use crate::problem::Problem;
 
 /// Where the lookup lives (no route may be configured under `/_idemgate/`).
 pub const KEYS: &str = "/_idemgate/v1/keys";
+
+/// What an answered lookup came to, for `idemgate_requests_total{outcome}` (without it,
+/// a request whose answer names no outcome counts as an `error`).
+const LOOKUP: axum::Extension<crate::observe::Outcome> =
+    axum::Extension(crate::observe::Outcome("lookup"));
 
 /// The most keys one page holds, and how many it holds unless asked.
 const MAX_LIMIT: i64 = 100;
 const DEFAULT_LIMIT: i64 = 50;
 
 /// `GET /_idemgate/v1/keys/{key}?endpoint=…`.
+#[utoipa::path(
+    get,
+    path = "/_idemgate/v1/keys/{key}",
+    tag = "lookup",
+    security(("tenant_token" = [])),
+    params(
+        ("key" = String, Path, description = "The Idempotency-Key, as sent", pattern = r#"^[!#-+\--~][!-+\--~]{0,254}$"#),
+        ("endpoint" = String, Query, description = "The route's endpoint, e.g. `POST /payments`", pattern = r"^[^\u0000]*$"),
+    ),
+    responses(
+        (status = 200, description = "The key, as its tenant may see it", body = TenantKey),
+        (status = 400, description = "A bad key or query", body = ProblemDoc, content_type = "application/problem+json"),
+        (status = 401, description = "No valid tenant token", body = ProblemDoc, content_type = "application/problem+json"),
+        (status = 404, description = "No live record of this key for this tenant and endpoint (also another tenant's key)", body = ProblemDoc, content_type = "application/problem+json"),
+        (status = 429, description = "The tenant is over its quota", body = ProblemDoc, content_type = "application/problem+json"),
+        (status = 503, description = "The ledger is unavailable", body = ProblemDoc, content_type = "application/problem+json"),
+    ),
+)]
 pub async fn show(
     State(app): State<Arc<AppState>>,
     Tenant(tenant): Tenant,
-    Path(key): Path<String>,
+    key: Result<Path<String>, PathRejection>,
     RawQuery(query): RawQuery,
 ) -> Result<Response, Problem> {
     let _quota = app.tenants.admit(&tenant)?;
+    let Path(key) = key.map_err(|e| invalid(&e.body_text()))?;
     let params = Params::parse(query.as_deref(), &["endpoint"])?;
     let endpoint = params
         .endpoint
@@ -44,7 +71,7 @@ pub async fn show(
     let key = IdempotencyKey::parse(key.as_bytes()).map_err(|e| invalid(&e.to_string()))?;
     let scope = Scope::new(tenant, endpoint, key);
     match app.engine.ledger().lookup(&scope).await {
-        Ok(Some(info)) => Ok(Json(view(&info)).into_response()),
+        Ok(Some(info)) => Ok((LOOKUP, Json(TenantKey::from(&info))).into_response()),
         Ok(None) => Err(Problem::KeyNotFound),
         Err(error) => {
             tracing::error!(%error, "key lookup failed");
@@ -54,6 +81,25 @@ pub async fn show(
 }
 
 /// `GET /_idemgate/v1/keys?endpoint=…&state=…&limit=…&cursor=…`.
+#[utoipa::path(
+    get,
+    path = "/_idemgate/v1/keys",
+    tag = "lookup",
+    security(("tenant_token" = [])),
+    params(
+        ("endpoint" = Option<String>, Query, description = "Only this endpoint's keys", pattern = r"^[^\u0000]*$"),
+        ("state" = Option<String>, Query, description = "Only keys in this state", pattern = "^(in_progress|completed|unknown)$"),
+        ("limit" = Option<i64>, Query, description = "At most this many keys (default 50)", minimum = 1, maximum = 100),
+        ("cursor" = Option<String>, Query, description = "The `next_cursor` of the page before", pattern = "^([0-9a-fA-F]{2})+$"),
+    ),
+    responses(
+        (status = 200, description = "A page of the tenant's live keys, in key order", body = TenantKeyPage),
+        (status = 400, description = "A bad query", body = ProblemDoc, content_type = "application/problem+json"),
+        (status = 401, description = "No valid tenant token", body = ProblemDoc, content_type = "application/problem+json"),
+        (status = 429, description = "The tenant is over its quota", body = ProblemDoc, content_type = "application/problem+json"),
+        (status = 503, description = "The ledger is unavailable", body = ProblemDoc, content_type = "application/problem+json"),
+    ),
+)]
 pub async fn list(
     State(app): State<Arc<AppState>>,
     Tenant(tenant): Tenant,
@@ -65,20 +111,8 @@ pub async fn list(
         None | Some("in_progress" | "completed" | "unknown") => params.state.as_deref(),
         Some(_) => return Err(invalid("`state` is one of in_progress, completed, unknown")),
     };
-    let limit = match params.limit.as_deref() {
-        None => DEFAULT_LIMIT,
-        Some(n) => n
-            .parse::<i64>()
-            .ok()
-            .filter(|n| (1..=MAX_LIMIT).contains(n))
-            .ok_or_else(|| invalid(&format!("`limit` is a whole number from 1 to {MAX_LIMIT}")))?,
-    };
-    let after = match params.cursor.as_deref() {
-        None => (String::new(), String::new()),
-        Some(cursor) => {
-            decode_cursor(cursor).ok_or_else(|| invalid("`cursor` is not one this API gave"))?
-        }
-    };
+    let limit = params.limit()?;
+    let after = params.after()?;
     let page = app
         .engine
         .ledger()
@@ -94,37 +128,73 @@ pub async fn list(
             tracing::error!(%error, "key listing failed");
             Problem::LedgerUnavailable
         })?;
-    let next = (page.len() as i64 == limit)
+    let next_cursor = next_cursor(&page, limit);
+    let keys = page.iter().map(TenantKey::from).collect();
+    Ok((LOOKUP, Json(TenantKeyPage { keys, next_cursor })).into_response())
+}
+
+/// The cursor of the page after `page` (of at most `limit` keys), if there may be one.
+pub(crate) fn next_cursor(page: &[KeyInfo], limit: i64) -> Option<String> {
+    (page.len() as i64 == limit)
         .then(|| {
             page.last()
                 .map(|last| encode_cursor(&last.endpoint, &last.key))
         })
-        .flatten();
-    let keys: Vec<Value> = page.iter().map(view).collect();
-    Ok(Json(json!({ "keys": keys, "next_cursor": next })).into_response())
+        .flatten()
 }
 
 /// A key as its tenant sees it: never its body, request or fingerprint.
-fn view(info: &KeyInfo) -> Value {
-    let state = match (info.status.as_str(), info.held) {
-        ("completed", _) => "completed",
-        (_, true) => "unknown",
-        _ => "in_progress",
-    };
-    let completed = state == "completed";
-    json!({
-        "key": info.key,
-        "endpoint": info.endpoint,
-        "state": state,
-        "created_at": time(&info.created_at),
-        "completed_at": info.completed_at.as_ref().map(time),
-        // An in-progress key is remembered until it is settled, whatever its TTL.
-        "expires_at": completed.then(|| time(&info.expires_at)),
-        "response_status": info.response_status,
-        "trace_id": info.trace_context.as_deref().and_then(trace_id),
-        // A key the lookup finds was claimed, and may have acted: never safe to replace.
-        "safe_new_key": false,
-    })
+#[derive(Debug, Serialize, ToSchema)]
+pub struct TenantKey {
+    pub key: String,
+    pub endpoint: String,
+    /// `in_progress`, `completed`, or `unknown` (its lease ran out without a result: the
+    /// reconciler settles it; keep retrying the same key).
+    #[schema(pattern = "^(in_progress|completed|unknown)$")]
+    pub state: &'static str,
+    #[schema(format = DateTime)]
+    pub created_at: String,
+    #[schema(format = DateTime)]
+    pub completed_at: Option<String>,
+    /// When the key is forgotten; none while it is not completed.
+    #[schema(format = DateTime)]
+    pub expires_at: Option<String>,
+    pub response_status: Option<i32>,
+    /// The trace of the first execution.
+    pub trace_id: Option<String>,
+    /// Always false: a key the lookup finds was claimed, and may have acted.
+    pub safe_new_key: bool,
+}
+
+impl From<&KeyInfo> for TenantKey {
+    fn from(info: &KeyInfo) -> Self {
+        let state = match (info.status.as_str(), info.held) {
+            ("completed", _) => "completed",
+            (_, true) => "unknown",
+            _ => "in_progress",
+        };
+        let completed = state == "completed";
+        Self {
+            key: info.key.clone(),
+            endpoint: info.endpoint.clone(),
+            state,
+            created_at: time(&info.created_at),
+            completed_at: info.completed_at.as_ref().map(time),
+            // An in-progress key is remembered until it is settled, whatever its TTL.
+            expires_at: completed.then(|| time(&info.expires_at)),
+            response_status: info.response_status,
+            trace_id: info.trace_context.as_deref().and_then(trace_id),
+            safe_new_key: false,
+        }
+    }
+}
+
+/// A page of a tenant's keys.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct TenantKeyPage {
+    pub keys: Vec<TenantKey>,
+    /// The `cursor` of the next page; `null` at the end.
+    pub next_cursor: Option<String>,
 }
 
 fn time(at: &DateTime<Utc>) -> String {
@@ -142,27 +212,57 @@ fn encode_cursor(endpoint: &str, key: &str) -> String {
     hex::encode(format!("{endpoint}\n{key}"))
 }
 
+/// A cursor is a position in (endpoint, key) order: whatever hex it holds is one (so a
+/// page after any position is well defined), and only what is not hex is refused.
 fn decode_cursor(cursor: &str) -> Option<(String, String)> {
-    let text = String::from_utf8(hex::decode(cursor).ok()?).ok()?;
-    let (endpoint, key) = text.split_once('\n')?;
+    let bytes = hex::decode(cursor).ok().filter(|b| !b.is_empty())?;
+    // Postgres text holds no NUL: a position is cut at one (it sorts first anyway).
+    let text = String::from_utf8_lossy(&bytes);
+    let text = text.split('\0').next().unwrap_or_default();
+    let (endpoint, key) = text.split_once('\n').unwrap_or((text, ""));
     Some((endpoint.to_owned(), key.to_owned()))
 }
 
-fn invalid(why: &str) -> Problem {
+pub(crate) fn invalid(why: &str) -> Problem {
     Problem::RequestInvalid(why.to_owned())
 }
 
-/// The query parameters a lookup takes; any other, or one given twice, is refused.
+/// The query parameters a lookup (or an admin listing) takes; any other, or one given
+/// twice, is refused.
 #[derive(Debug, Default)]
-struct Params {
-    endpoint: Option<String>,
-    state: Option<String>,
-    limit: Option<String>,
-    cursor: Option<String>,
+pub(crate) struct Params {
+    pub(crate) endpoint: Option<String>,
+    pub(crate) state: Option<String>,
+    pub(crate) limit: Option<String>,
+    pub(crate) cursor: Option<String>,
 }
 
 impl Params {
-    fn parse(query: Option<&str>, allowed: &[&str]) -> Result<Self, Problem> {
+    /// `limit`, from 1 to [`MAX_LIMIT`].
+    pub(crate) fn limit(&self) -> Result<i64, Problem> {
+        match self.limit.as_deref() {
+            None => Ok(DEFAULT_LIMIT),
+            Some(n) => n
+                .parse::<i64>()
+                .ok()
+                .filter(|n| (1..=MAX_LIMIT).contains(n))
+                .ok_or_else(|| {
+                    invalid(&format!("`limit` is a whole number from 1 to {MAX_LIMIT}"))
+                }),
+        }
+    }
+
+    /// Where the page starts: after the (endpoint, key) of `cursor`.
+    pub(crate) fn after(&self) -> Result<(String, String), Problem> {
+        match self.cursor.as_deref() {
+            None => Ok((String::new(), String::new())),
+            Some(cursor) => {
+                decode_cursor(cursor).ok_or_else(|| invalid("`cursor` is not one this API gave"))
+            }
+        }
+    }
+
+    pub(crate) fn parse(query: Option<&str>, allowed: &[&str]) -> Result<Self, Problem> {
         let mut params = Self::default();
         for (name, value) in form_urlencoded::parse(query.unwrap_or("").as_bytes()) {
             let slot = match name.as_ref() {
@@ -174,6 +274,9 @@ impl Params {
             };
             if !allowed.contains(&name.as_ref()) {
                 return Err(invalid(&format!("unknown query parameter {name:?}")));
+            }
+            if value.contains('\0') {
+                return Err(invalid(&format!("`{name}` holds a NUL character")));
             }
             if slot.replace(value.into_owned()).is_some() {
                 return Err(invalid(&format!("`{name}` is given twice")));
@@ -194,9 +297,15 @@ mod tests {
             decode_cursor(&cursor),
             Some(("POST /orders/{id}/refunds".into(), "k-1".into()))
         );
-        for bad in ["", "zz", "00", &hex::encode("no newline")] {
+        assert_eq!(decode_cursor("00"), Some((String::new(), String::new())));
+        for bad in ["", "zz", "0"] {
             assert_eq!(decode_cursor(bad), None, "{bad:?}");
         }
+        assert_eq!(
+            decode_cursor(&hex::encode("POST /p")),
+            Some(("POST /p".into(), String::new())),
+            "a position before every key of that endpoint"
+        );
     }
 
     #[test]

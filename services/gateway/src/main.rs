@@ -270,6 +270,7 @@ async fn run(command: Command) -> anyhow::Result<()> {
             for warning in auth.warnings() {
                 eprintln!("warning: {warning}");
             }
+            config.admin.token()?;
             // Against the ledger when it can be reached: a route must not rename an
             // endpoint keys are stored under.
             let stored = match admin_pool(&config).await {

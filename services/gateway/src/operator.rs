@@ -3,7 +3,6 @@
 
 use chrono::{DateTime, Utc};
 use idem_postgres::KeyInfo;
-use serde_json::json;
 
 /// Where a key stands, in the words of the `operation_state` of 409 problems (the README's "Status codes").
 pub fn state(info: &KeyInfo) -> &'static str {
@@ -59,29 +58,71 @@ pub fn describe(info: &KeyInfo) -> String {
         .collect()
 }
 
-/// The key as one JSON object (never its stored body); times in RFC 3339.
+/// The key as an operator sees it, in `keys show --json` and the admin API: every fact
+/// of the row but its stored body; times in RFC 3339.
+#[derive(Debug, serde::Serialize, utoipa::ToSchema)]
+pub struct OperatorKey {
+    pub tenant: String,
+    pub endpoint: String,
+    pub key: String,
+    /// `completed`, `in_progress` (its first attempt is running) or `held` (its lease is
+    /// over: the outcome is unknown until a probe, a policy or an operator settles it).
+    #[schema(pattern = "^(completed|in_progress|held)$")]
+    pub state: &'static str,
+    /// The row's own status: `in_progress` or `completed`.
+    #[schema(pattern = "^(completed|in_progress)$")]
+    pub status: String,
+    /// The attempt that owns the key: what a release must name.
+    #[schema(format = "uuid")]
+    pub attempt: String,
+    #[schema(format = DateTime)]
+    pub created_at: String,
+    #[schema(format = DateTime)]
+    pub completed_at: Option<String>,
+    #[schema(format = DateTime)]
+    pub expires_at: String,
+    #[schema(format = DateTime)]
+    pub lease_until: Option<String>,
+    #[schema(format = DateTime)]
+    pub held_since: Option<String>,
+    pub probe_attempts: i32,
+    #[schema(format = DateTime)]
+    pub first_not_found_at: Option<String>,
+    pub response_status: Option<i32>,
+    pub response_bytes: Option<i32>,
+    pub response_omitted: bool,
+    pub trace_id: Option<String>,
+}
+
+impl From<&KeyInfo> for OperatorKey {
+    fn from(info: &KeyInfo) -> Self {
+        let at = |t: &DateTime<Utc>| t.to_rfc3339_opts(chrono::SecondsFormat::Millis, true);
+        let maybe = |t: &Option<DateTime<Utc>>| t.as_ref().map(at);
+        Self {
+            tenant: info.tenant.clone(),
+            endpoint: info.endpoint.clone(),
+            key: info.key.clone(),
+            state: state(info),
+            status: info.status.clone(),
+            attempt: info.attempt.to_string(),
+            created_at: at(&info.created_at),
+            completed_at: maybe(&info.completed_at),
+            expires_at: at(&info.expires_at),
+            lease_until: maybe(&info.locked_until),
+            held_since: maybe(&info.held_since),
+            probe_attempts: info.probe_attempts,
+            first_not_found_at: maybe(&info.first_not_found_at),
+            response_status: info.response_status,
+            response_bytes: info.response_bytes,
+            response_omitted: info.response_omitted,
+            trace_id: trace_id(info).map(str::to_owned),
+        }
+    }
+}
+
+/// The key as one JSON object (see [`OperatorKey`]).
 pub fn to_json(info: &KeyInfo) -> serde_json::Value {
-    let at = |t: &DateTime<Utc>| t.to_rfc3339_opts(chrono::SecondsFormat::Millis, true);
-    let maybe = |t: &Option<DateTime<Utc>>| t.as_ref().map(at);
-    json!({
-        "tenant": info.tenant,
-        "endpoint": info.endpoint,
-        "key": info.key,
-        "state": state(info),
-        "status": info.status,
-        "attempt": info.attempt.to_string(),
-        "created_at": at(&info.created_at),
-        "completed_at": maybe(&info.completed_at),
-        "expires_at": at(&info.expires_at),
-        "lease_until": maybe(&info.locked_until),
-        "held_since": maybe(&info.held_since),
-        "probe_attempts": info.probe_attempts,
-        "first_not_found_at": maybe(&info.first_not_found_at),
-        "response_status": info.response_status,
-        "response_bytes": info.response_bytes,
-        "response_omitted": info.response_omitted,
-        "trace_id": trace_id(info),
-    })
+    serde_json::to_value(OperatorKey::from(info)).expect("a key serializes")
 }
 
 /// One held key per line: since when, which key, how far its probes got.

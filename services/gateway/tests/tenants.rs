@@ -343,8 +343,9 @@ async fn a_tenant_pages_through_its_own_keys_by_state() {
         .tenant("acme")
         .send()
         .await;
-    assert_eq!(posted.status, StatusCode::NOT_FOUND);
-    assert_eq!(posted.problem(), "route-not-found");
+    assert_eq!(posted.status, StatusCode::METHOD_NOT_ALLOWED);
+    assert_eq!(posted.problem(), "method-not-allowed");
+    assert_eq!(posted.header("allow"), Some("GET"));
     for bad in [
         "state=lost",
         "limit=0",

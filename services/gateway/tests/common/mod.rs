@@ -15,6 +15,8 @@ pub fn config(config: TestConfig) -> Config {
 /// A gateway running in this process, stopped when dropped (or via `stop`).
 pub struct Gateway {
     pub addr: SocketAddr,
+    /// The admin API's address, when `admin.listen` is set.
+    pub admin: Option<SocketAddr>,
     /// Upstream processes that live as long as this gateway.
     upstreams: Vec<Demo>,
     pub state: std::sync::Arc<idemgate::app::AppState>,
@@ -28,6 +30,7 @@ impl Gateway {
             .await
             .unwrap_or_else(|e| panic!("gateway failed to start: {e:#}"));
         let addr = app.local_addr();
+        let admin = app.admin_addr();
         let state = app.state();
         let (tx, rx) = tokio::sync::oneshot::channel();
         let task = tokio::spawn(app.run_until_stopped(async {
@@ -35,6 +38,7 @@ impl Gateway {
         }));
         Self {
             addr,
+            admin,
             upstreams: Vec::new(),
             state,
             stop: Some(tx),
@@ -44,6 +48,12 @@ impl Gateway {
 
     pub fn url(&self, path: &str) -> String {
         format!("http://{}{}", self.addr, path)
+    }
+
+    /// A URL of the admin API (panics if `admin.listen` is not set).
+    pub fn admin_url(&self, path: &str) -> String {
+        let admin = self.admin.expect("this gateway has no admin.listen");
+        format!("http://{admin}{path}")
     }
 
     /// Statements this gateway has sent to Postgres.

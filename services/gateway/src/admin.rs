@@ -1,0 +1,388 @@
+//! The operator's HTTP API (DESIGN §14), on its own listener (`admin.listen`), every call
+//! with the bearer token of `admin.token_file`: what `idemgate keys` does, under the same
+//! rules (DESIGN §6).
+//!
+//! - `GET /admin/v1/tenants/{tenant}/keys/{key}?endpoint=…` → one key, every fact but its body.
+//! - `GET /admin/v1/tenants/{tenant}/keys?endpoint=…&state=…&limit=…&cursor=…` → a page.
+//! - `GET /admin/v1/held?limit=…` → the held keys of every tenant, oldest first.
+//! - `POST /admin/v1/tenants/{tenant}/keys/{key}/release` with
+//!   `{"endpoint","attempt","reason","force"}` → releases that attempt only, only once its
+//!   lease is over unless `force`; otherwise 409 `release-refused` saying why, nothing changed.
+//! - `GET /admin/v1/openapi.json` → the OpenAPI 3.1 document of this API and the lookup API.
+
+use std::sync::Arc;
+
+use axum::Json;
+use axum::Router;
+use axum::body::Bytes;
+use axum::extract::rejection::PathRejection;
+use axum::extract::{Path, RawQuery, Request, State};
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use http::header;
+use idem_core::{AttemptId, IdempotencyKey, Scope};
+use idem_postgres::OperatorRelease;
+use secrecy::{ExposeSecret, SecretString};
+use serde::{Deserialize, Serialize};
+use utoipa::ToSchema;
+
+use crate::app::AppState;
+use crate::lookup::{Params, invalid, next_cursor};
+use crate::openapi::ProblemDoc;
+use crate::operator::OperatorKey;
+use crate::problem::Problem;
+
+/// The admin API's routes, behind its bearer token.
+pub fn router(state: Arc<AppState>, token: SecretString) -> Router {
+    let token = Arc::new(token);
+    Router::new()
+        .route(
+            "/admin/v1/tenants/{tenant}/keys",
+            get(list).fallback(only_get),
+        )
+        .route(
+            "/admin/v1/tenants/{tenant}/keys/{key}",
+            get(show).fallback(only_get),
+        )
+        .route(
+            "/admin/v1/tenants/{tenant}/keys/{key}/release",
+            post(release).fallback(only_post),
+        )
+        .route("/admin/v1/held", get(held).fallback(only_get))
+        .route("/admin/v1/openapi.json", get(openapi).fallback(only_get))
+        .fallback(not_found)
+        .layer(axum::middleware::from_fn(move |request, next| {
+            authorize(token.clone(), request, next)
+        }))
+        .with_state(state)
+}
+
+/// Every call, the document included, names the token: the API is an operator's only.
+async fn authorize(token: Arc<SecretString>, request: Request, next: Next) -> Response {
+    let sent = request
+        .headers()
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "));
+    match sent {
+        Some(sent) if same(sent.as_bytes(), token.expose_secret().as_bytes()) => {
+            next.run(request).await
+        }
+        _ => Problem::AdminUnauthorized.into_response(),
+    }
+}
+
+/// Equal, in a time that does not depend on where the two first differ.
+fn same(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |d, (x, y)| d | (x ^ y)) == 0
+}
+
+async fn not_found() -> Problem {
+    Problem::RouteNotFound
+}
+
+async fn only_get() -> Problem {
+    Problem::MethodNotAllowed { allow: "GET" }
+}
+
+async fn only_post() -> Problem {
+    Problem::MethodNotAllowed { allow: "POST" }
+}
+
+/// The scope a path and its `endpoint` name.
+fn scope(
+    path: Result<Path<(String, String)>, PathRejection>,
+    endpoint: Option<String>,
+) -> Result<Scope, Problem> {
+    let Path((tenant, key)) = path.map_err(|e| invalid(&e.body_text()))?;
+    let endpoint = endpoint
+        .ok_or_else(|| invalid("`endpoint` is required, e.g. endpoint=POST%20%2Fpayments"))?;
+    no_nul("tenant", &tenant)?;
+    no_nul("endpoint", &endpoint)?;
+    let key = IdempotencyKey::parse(key.as_bytes()).map_err(|e| invalid(&e.to_string()))?;
+    Ok(Scope::new(tenant, endpoint, key))
+}
+
+/// Postgres text holds no NUL: a tenant or endpoint with one names nothing there.
+fn no_nul(name: &str, value: &str) -> Result<(), Problem> {
+    if value.contains('\0') {
+        return Err(invalid(&format!("`{name}` holds a NUL character")));
+    }
+    Ok(())
+}
+
+fn unavailable(error: impl std::fmt::Display) -> Problem {
+    tracing::error!(%error, "admin call: ledger unavailable");
+    Problem::LedgerUnavailable
+}
+
+#[utoipa::path(
+    get,
+    path = "/admin/v1/tenants/{tenant}/keys/{key}",
+    tag = "admin",
+    security(("admin_token" = [])),
+    params(
+        ("tenant" = String, Path, description = "The tenant the key belongs to", pattern = r"^[^\u0000]*$"),
+        ("key" = String, Path, description = "The Idempotency-Key, as sent", pattern = r#"^[!#-+\--~][!-+\--~]{0,254}$"#),
+        ("endpoint" = String, Query, description = "The route's endpoint, e.g. `POST /payments`", pattern = r"^[^\u0000]*$"),
+    ),
+    responses(
+        (status = 200, description = "The key: every fact of its row but the stored body", body = OperatorKey),
+        (status = 400, description = "A bad key or query", body = ProblemDoc, content_type = "application/problem+json"),
+        (status = 401, description = "Not the admin token", body = ProblemDoc, content_type = "application/problem+json"),
+        (status = 404, description = "No record of this key", body = ProblemDoc, content_type = "application/problem+json"),
+        (status = 503, description = "The ledger is unavailable", body = ProblemDoc, content_type = "application/problem+json"),
+    ),
+)]
+pub async fn show(
+    State(app): State<Arc<AppState>>,
+    path: Result<Path<(String, String)>, PathRejection>,
+    RawQuery(query): RawQuery,
+) -> Result<Response, Problem> {
+    let params = Params::parse(query.as_deref(), &["endpoint"])?;
+    let scope = scope(path, params.endpoint)?;
+    match app.engine.ledger().show(&scope).await {
+        Ok(Some(info)) => Ok(Json(OperatorKey::from(&info)).into_response()),
+        Ok(None) => Err(Problem::KeyNotFound),
+        Err(error) => Err(unavailable(error)),
+    }
+}
+
+/// A page of keys, as an operator sees them.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct OperatorKeyPage {
+    pub keys: Vec<OperatorKey>,
+    /// The `cursor` of the next page; `null` at the end.
+    pub next_cursor: Option<String>,
+}
+
+#[utoipa::path(
+    get,
+    path = "/admin/v1/tenants/{tenant}/keys",
+    tag = "admin",
+    security(("admin_token" = [])),
+    params(
+        ("tenant" = String, Path, description = "The tenant whose keys to list", pattern = r"^[^\u0000]*$"),
+        ("endpoint" = Option<String>, Query, description = "Only this endpoint's keys", pattern = r"^[^\u0000]*$"),
+        ("state" = Option<String>, Query, description = "Only keys in this state (`unknown`: held)", pattern = "^(in_progress|completed|unknown)$"),
+        ("limit" = Option<i64>, Query, description = "At most this many keys (default 50)", minimum = 1, maximum = 100),
+        ("cursor" = Option<String>, Query, description = "The `next_cursor` of the page before", pattern = "^([0-9a-fA-F]{2})+$"),
+    ),
+    responses(
+        (status = 200, description = "A page of the tenant's live keys, in key order", body = OperatorKeyPage),
+        (status = 400, description = "A bad query", body = ProblemDoc, content_type = "application/problem+json"),
+        (status = 401, description = "Not the admin token", body = ProblemDoc, content_type = "application/problem+json"),
+        (status = 503, description = "The ledger is unavailable", body = ProblemDoc, content_type = "application/problem+json"),
+    ),
+)]
+pub async fn list(
+    State(app): State<Arc<AppState>>,
+    tenant: Result<Path<String>, PathRejection>,
+    RawQuery(query): RawQuery,
+) -> Result<Response, Problem> {
+    let Path(tenant) = tenant.map_err(|e| invalid(&e.body_text()))?;
+    no_nul("tenant", &tenant)?;
+    let params = Params::parse(query.as_deref(), &["endpoint", "state", "limit", "cursor"])?;
+    let state = match params.state.as_deref() {
+        None | Some("in_progress" | "completed" | "unknown") => params.state.as_deref(),
+        Some(_) => return Err(invalid("`state` is one of in_progress, completed, unknown")),
+    };
+    let limit = params.limit()?;
+    let after = params.after()?;
+    let page = app
+        .engine
+        .ledger()
+        .list_keys(
+            &tenant,
+            params.endpoint.as_deref(),
+            state,
+            (&after.0, &after.1),
+            limit,
+        )
+        .await
+        .map_err(unavailable)?;
+    Ok(Json(OperatorKeyPage {
+        next_cursor: next_cursor(&page, limit),
+        keys: page.iter().map(OperatorKey::from).collect(),
+    })
+    .into_response())
+}
+
+/// The held keys of every tenant.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct HeldKeys {
+    pub keys: Vec<OperatorKey>,
+}
+
+#[utoipa::path(
+    get,
+    path = "/admin/v1/held",
+    tag = "admin",
+    security(("admin_token" = [])),
+    params(
+        ("limit" = Option<i64>, Query, description = "At most this many keys (default 50)", minimum = 1, maximum = 100),
+    ),
+    responses(
+        (status = 200, description = "Held keys (in progress, lease over), oldest first", body = HeldKeys),
+        (status = 400, description = "A bad query", body = ProblemDoc, content_type = "application/problem+json"),
+        (status = 401, description = "Not the admin token", body = ProblemDoc, content_type = "application/problem+json"),
+        (status = 503, description = "The ledger is unavailable", body = ProblemDoc, content_type = "application/problem+json"),
+    ),
+)]
+pub async fn held(
+    State(app): State<Arc<AppState>>,
+    RawQuery(query): RawQuery,
+) -> Result<Response, Problem> {
+    let params = Params::parse(query.as_deref(), &["limit"])?;
+    let keys = app
+        .engine
+        .ledger()
+        .list_held(params.limit()?)
+        .await
+        .map_err(unavailable)?;
+    Ok(Json(HeldKeys {
+        keys: keys.iter().map(OperatorKey::from).collect(),
+    })
+    .into_response())
+}
+
+/// What to release, and why.
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ReleaseRequest {
+    /// The route's endpoint, e.g. `POST /payments`.
+    #[schema(pattern = r"^[^\u0000]*$")]
+    pub endpoint: String,
+    /// The attempt to release, as `show` gave it: if another attempt owns the key now,
+    /// nothing changes.
+    #[schema(format = "uuid")]
+    pub attempt: String,
+    /// Why, for the log line every release writes (not only white space).
+    #[schema(min_length = 1, pattern = r"\S")]
+    pub reason: String,
+    /// Release even inside the attempt's lease (it may still be running: its upstream
+    /// may still act, and a retry would act again).
+    #[serde(default)]
+    pub force: bool,
+}
+
+/// A release that happened.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct Released {
+    pub tenant: String,
+    pub endpoint: String,
+    pub key: String,
+    #[schema(format = "uuid")]
+    pub attempt: String,
+    /// Released inside its lease, by `force`: that attempt may still act.
+    pub forced: bool,
+}
+
+#[utoipa::path(
+    post,
+    path = "/admin/v1/tenants/{tenant}/keys/{key}/release",
+    tag = "admin",
+    security(("admin_token" = [])),
+    params(
+        ("tenant" = String, Path, description = "The tenant the key belongs to", pattern = r"^[^\u0000]*$"),
+        ("key" = String, Path, description = "The Idempotency-Key, as sent", pattern = r#"^[!#-+\--~][!-+\--~]{0,254}$"#),
+    ),
+    request_body(content = ReleaseRequest, content_type = "application/json"),
+    responses(
+        (status = 200, description = "The attempt's key is released: the next request with it executes", body = Released),
+        (status = 400, description = "A bad key or body", body = ProblemDoc, content_type = "application/problem+json"),
+        (status = 401, description = "Not the admin token", body = ProblemDoc, content_type = "application/problem+json"),
+        (status = 404, description = "No record of this key", body = ProblemDoc, content_type = "application/problem+json"),
+        (status = 409, description = "Nothing changed, and why: completed, another attempt's, or inside its lease without `force`", body = ProblemDoc, content_type = "application/problem+json"),
+        (status = 503, description = "The ledger is unavailable", body = ProblemDoc, content_type = "application/problem+json"),
+    ),
+)]
+pub async fn release(
+    State(app): State<Arc<AppState>>,
+    path: Result<Path<(String, String)>, PathRejection>,
+    RawQuery(query): RawQuery,
+    body: Bytes,
+) -> Result<Response, Problem> {
+    Params::parse(query.as_deref(), &[])?;
+    let asked: ReleaseRequest = serde_json::from_slice(&body)
+        .map_err(|e| invalid(&format!("the body is not a release request: {e}")))?;
+    let attempt = uuid::Uuid::parse_str(&asked.attempt)
+        .map(AttemptId)
+        .map_err(|_| invalid("`attempt` is the attempt's UUID, as `show` gives it"))?;
+    if asked.reason.trim().is_empty() {
+        return Err(invalid(
+            "`reason` says why, for the log line every release writes",
+        ));
+    }
+    let scope = scope(path, Some(asked.endpoint))?;
+    let named = format!("{} {:?} {}", scope.tenant, scope.endpoint, scope.key);
+    let done = app
+        .engine
+        .ledger()
+        .release_by_operator(&scope, attempt, asked.force)
+        .await
+        .map_err(unavailable)?;
+    match done {
+        OperatorRelease::Released { forced } => {
+            tracing::warn!(
+                tenant.id = %scope.tenant,
+                idempotency.endpoint = %scope.endpoint,
+                idempotency.key = %scope.key,
+                idempotency.attempt = %attempt,
+                forced,
+                operator = "admin API",
+                reason = %asked.reason,
+                "key released by an operator{}",
+                if forced { " (forced, inside its lease)" } else { "" }
+            );
+            Ok(Json(Released {
+                tenant: scope.tenant.to_string(),
+                endpoint: scope.endpoint.to_string(),
+                key: scope.key.as_str().to_owned(),
+                attempt: attempt.to_string(),
+                forced,
+            })
+            .into_response())
+        }
+        OperatorRelease::Absent => Err(Problem::KeyNotFound),
+        OperatorRelease::Completed => Err(Problem::ReleaseRefused(format!(
+            "{named} is completed: completed keys are never released; nothing changed"
+        ))),
+        OperatorRelease::OtherAttempt { current } => Err(Problem::ReleaseRefused(format!(
+            "attempt {attempt} no longer owns {named}: attempt {current} does now; nothing changed"
+        ))),
+        OperatorRelease::InsideLease { until } => Err(Problem::ReleaseRefused(format!(
+            "attempt {attempt} may still be running: its lease lasts until {}; send \"force\": true to release it anyway (the upstream may still act, and a retry would act again); nothing changed",
+            until.map_or("-".to_owned(), |t| t
+                .to_rfc3339_opts(chrono::SecondsFormat::Millis, true))
+        ))),
+    }
+}
+
+#[utoipa::path(
+    get,
+    path = "/admin/v1/openapi.json",
+    tag = "admin",
+    security(("admin_token" = [])),
+    responses(
+        (status = 200, description = "This document (OpenAPI 3.1)", content_type = "application/json"),
+        (status = 401, description = "Not the admin token", body = ProblemDoc, content_type = "application/problem+json"),
+    ),
+)]
+pub async fn openapi() -> Response {
+    Json(crate::openapi::document()).into_response()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tokens_compare_whole() {
+        assert!(same(b"0123456789abcdef", b"0123456789abcdef"));
+        assert!(!same(b"0123456789abcdef", b"0123456789abcdeF"));
+        assert!(!same(b"0123456789abcdef", b"0123456789abcde"));
+        assert!(!same(b"", b"x"));
+    }
+}

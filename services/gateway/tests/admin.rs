@@ -1,0 +1,264 @@
+//! The admin API (DESIGN §14) through real HTTP, real Postgres and the real demo: off
+//! unless configured, every call with its bearer token, and a release under the
+//! operator rules of DESIGN §6.
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+use http::{Method, StatusCode};
+use serde_json::{Value, json};
+
+const TOKEN: &str = "admin-token-0123456789abcdef";
+
+/// A gateway with the admin API on, whose payments time out after 500 ms within a 2 s
+/// lease (so a slow payment's key is held, past its lease, 2 s after its claim).
+async fn gateway() -> (TestDb, Gateway, Http) {
+    let token_file = config_file(&format!("{TOKEN}\n"));
+    setup_with(
+        |c| {
+            c.set("admin.listen", "127.0.0.1:0")
+                .set("admin.token_file", token_file.to_str().unwrap())
+                .set("postgres.acquire_timeout", "500ms")
+                .set("postgres.statement_timeout", "500ms")
+        },
+        |r| r.set("timeout", "500ms").set("lease", "2s"),
+    )
+    .await
+}
+
+fn key_path(key: &str) -> String {
+    format!("/admin/v1/tenants/acme/keys/{key}?endpoint=POST%20%2Fpayments")
+}
+
+async fn show(http: &Http, gw: &Gateway, key: &str) -> Answer {
+    http.get(&gw.admin_url(&key_path(key)))
+        .bearer(TOKEN)
+        .send()
+        .await
+}
+
+async fn release(http: &Http, gw: &Gateway, key: &str, body: Value) -> Answer {
+    http.post(&gw.admin_url(&format!("/admin/v1/tenants/acme/keys/{key}/release")))
+        .bearer(TOKEN)
+        .json(&body.to_string())
+        .send()
+        .await
+}
+
+fn asked(attempt: &str, force: bool) -> Value {
+    json!({
+        "endpoint": "POST /payments",
+        "attempt": attempt,
+        "reason": "ticket 42",
+        "force": force,
+    })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_admin_api_is_off_unless_configured() {
+    let (_db, gw, _http) = setup().await;
+    assert_eq!(gw.admin, None);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_admin_call_needs_the_token() {
+    let (_db, gw, http) = gateway().await;
+    for path in ["/admin/v1/held", "/admin/v1/openapi.json", &key_path("k")] {
+        let none = http.get(&gw.admin_url(path)).send().await;
+        assert_eq!(none.status, StatusCode::UNAUTHORIZED, "{path}");
+        assert_eq!(none.problem(), "unauthorized");
+        assert!(none.header("www-authenticate").is_some());
+        for wrong in [
+            "admin-token-0123456789abcdeF",
+            "admin-token",
+            &token("acme"),
+        ] {
+            let answer = http.get(&gw.admin_url(path)).bearer(wrong).send().await;
+            assert_eq!(
+                answer.status,
+                StatusCode::UNAUTHORIZED,
+                "{path} with {wrong}"
+            );
+        }
+    }
+    // Nor is the admin API on the tenants' listener.
+    let public = http
+        .get(&gw.url("/admin/v1/held"))
+        .tenant("acme")
+        .send()
+        .await;
+    assert_eq!(public.problem(), "route-not-found");
+
+    let doc = http
+        .get(&gw.admin_url("/admin/v1/openapi.json"))
+        .bearer(TOKEN)
+        .send()
+        .await;
+    assert_eq!(doc.status, StatusCode::OK);
+    let doc = doc.json();
+    assert_eq!(doc["openapi"], "3.1.0");
+    assert!(
+        doc["paths"]["/_idemgate/v1/keys/{key}"].is_object(),
+        "the lookup API too"
+    );
+}
+
+/// The rules of `idemgate keys release`, over HTTP: only the attempt shown, only past
+/// its lease unless forced, never a completed key; whatever is refused changes nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_admin_release_follows_the_operator_rules() {
+    let (db, gw, http) = gateway().await;
+    let pay = |key: &str, delay: u64| {
+        http.pay(&gw.url("/payments"), "acme", key, &payment("o-admin", 1))
+            .demo_delay(delay)
+            .send()
+    };
+
+    // A payment that timed out: the demo paid, the outcome is unknown, the key is held.
+    let key = new_key();
+    let timed_out = pay(&key, 2500).await;
+    assert_eq!(timed_out.status, StatusCode::GATEWAY_TIMEOUT);
+    let shown = show(&http, &gw, &key).await;
+    assert_eq!(shown.status, StatusCode::OK);
+    let shown = shown.json();
+    let attempt = shown["attempt"].as_str().unwrap().to_owned();
+    assert_eq!(shown["tenant"], "acme");
+    assert!(shown.get("response_body").is_none(), "never a body");
+
+    let other = release(
+        &http,
+        &gw,
+        &key,
+        asked(&uuid::Uuid::new_v4().to_string(), true),
+    )
+    .await;
+    assert_eq!(other.status, StatusCode::CONFLICT);
+    assert_eq!(other.problem(), "release-refused");
+    assert!(other.json()["detail"].as_str().unwrap().contains(&attempt));
+    // Real time: Postgres's clock judges the 2 s lease, which began with the claim.
+    tokio::time::sleep(Duration::from_millis(1700)).await;
+    let held = http
+        .get(&gw.admin_url("/admin/v1/held"))
+        .bearer(TOKEN)
+        .send()
+        .await;
+    let held = held.json();
+    assert_eq!(held["keys"].as_array().unwrap().len(), 1, "{held}");
+    assert_eq!(held["keys"][0]["key"], key.as_str());
+    assert_eq!(held["keys"][0]["state"], "held");
+    let page = http
+        .get(&gw.admin_url("/admin/v1/tenants/acme/keys?state=unknown"))
+        .bearer(TOKEN)
+        .send()
+        .await
+        .json();
+    assert_eq!(page["keys"][0]["attempt"], attempt.as_str(), "{page}");
+    let retry = pay(&key, 0).await;
+    assert_eq!(retry.status, StatusCode::CONFLICT, "still held");
+
+    let released = release(&http, &gw, &key, asked(&attempt, false)).await;
+    assert_eq!(released.status, StatusCode::OK, "{:?}", released.body);
+    assert_eq!(released.json()["forced"], false);
+    let absent = show(&http, &gw, &key).await;
+    assert_eq!(absent.problem(), "idempotency-key-not-found");
+    let again = release(&http, &gw, &key, asked(&attempt, false)).await;
+    assert_eq!(again.status, StatusCode::NOT_FOUND, "released once");
+    // The operator took responsibility: the next request executes.
+    assert_eq!(pay(&key, 0).await.status, StatusCode::CREATED);
+    assert_eq!(db.executions("demo_payments", "acme", &key).await, 2);
+
+    // A completed key is never released, forced or not.
+    let completed = release(
+        &http,
+        &gw,
+        &key,
+        asked(
+            show(&http, &gw, &key).await.json()["attempt"]
+                .as_str()
+                .unwrap(),
+            true,
+        ),
+    )
+    .await;
+    assert_eq!(completed.problem(), "release-refused");
+    assert!(pay(&key, 0).await.replayed());
+
+    // Inside its lease: refused unless forced, and the running attempt is untouched.
+    let key = new_key();
+    let running = in_flight(pay(&key, 400), Duration::from_millis(150)).await;
+    let attempt = show(&http, &gw, &key).await.json()["attempt"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let inside = release(&http, &gw, &key, asked(&attempt, false)).await;
+    assert_eq!(inside.problem(), "release-refused");
+    assert!(inside.json()["detail"].as_str().unwrap().contains("force"));
+    assert_eq!(
+        show(&http, &gw, &key).await.status,
+        StatusCode::OK,
+        "nothing changed"
+    );
+    let forced = release(&http, &gw, &key, asked(&attempt, true)).await;
+    assert_eq!(forced.status, StatusCode::OK);
+    assert_eq!(forced.json()["forced"], true);
+    let _ = running.await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_admin_input_gets_a_problem_and_changes_nothing() {
+    let (db, gw, http) = gateway().await;
+    let key = new_key();
+    assert_eq!(
+        http.pay(&gw.url("/payments"), "acme", &key, &payment("o-bad", 1))
+            .send()
+            .await
+            .status,
+        StatusCode::CREATED
+    );
+    let attempt = show(&http, &gw, &key).await.json()["attempt"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let bad = [
+        json!({"endpoint": "POST /payments", "attempt": "not-a-uuid", "reason": "r"}),
+        json!({"endpoint": "POST /payments", "attempt": attempt, "reason": " "}),
+        json!({"endpoint": "POST /payments", "attempt": attempt}),
+        json!({"endpoint": "POST /payments", "attempt": attempt, "reason": "r", "extra": 1}),
+        json!([1, 2]),
+    ];
+    for body in bad {
+        let answer = release(&http, &gw, &key, body.clone()).await;
+        assert_eq!(answer.status, StatusCode::BAD_REQUEST, "{body}");
+        assert_eq!(answer.problem(), "request-invalid");
+    }
+    for path in [
+        "/admin/v1/tenants/acme/keys/k",
+        "/admin/v1/tenants/acme/keys/a,b?endpoint=POST%20%2Fpayments",
+        "/admin/v1/tenants/acme/keys?limit=0",
+        "/admin/v1/tenants/acme/keys?state=lost",
+        "/admin/v1/held?limit=x",
+        "/admin/v1/held?what=1",
+    ] {
+        let answer = http.get(&gw.admin_url(path)).bearer(TOKEN).send().await;
+        assert_eq!(answer.status, StatusCode::BAD_REQUEST, "{path}");
+        assert_eq!(answer.problem(), "request-invalid");
+    }
+    let wrong_method = http
+        .call(Method::DELETE, &gw.admin_url(&key_path(&key)))
+        .bearer(TOKEN)
+        .send()
+        .await;
+    assert_eq!(wrong_method.problem(), "method-not-allowed");
+    assert_eq!(wrong_method.header("allow"), Some("GET"));
+    assert!(pay_replays(&http, &gw, &key).await, "the key is as it was");
+    assert_eq!(db.executions("demo_payments", "acme", &key).await, 1);
+}
+
+async fn pay_replays(http: &Http, gw: &Gateway, key: &str) -> bool {
+    http.pay(&gw.url("/payments"), "acme", key, &payment("o-bad", 1))
+        .send()
+        .await
+        .replayed()
+}
