@@ -182,8 +182,12 @@ impl Ledger for Ledger_ {
         let mut rows = self.0.rows.lock().unwrap();
         let completed = match rows.get_mut(scope) {
             Some(row) if row.record.attempt == attempt => {
+                // A repeat (its first reply was lost) keeps the first completion's expiry.
+                let expires_at = match (&row.record.state, row.record.expires_at) {
+                    (RecordState::Completed(_), Some(kept)) => kept,
+                    _ => next_expiry(),
+                };
                 row.record.state = RecordState::Completed(response.clone());
-                let expires_at = next_expiry();
                 row.record.expires_at = Some(expires_at);
                 Completed::Recorded { expires_at }
             }

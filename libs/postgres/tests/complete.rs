@@ -85,6 +85,17 @@ async fn a_completion_says_when_its_row_expires_as_the_row_says_it() {
     );
     let record = ledger.get(&scope).await.unwrap().unwrap();
     assert_eq!(record.expires_at, Some(expires_at), "a later read");
+
+    // The same completion again (its reply was lost): the record keeps its expiry, which
+    // a retry may have replayed already.
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    let again = ledger
+        .complete(&scope, attempt, &response("paid"), ttl)
+        .await
+        .unwrap();
+    assert_eq!(again, Completed::Recorded { expires_at }, "a repeat");
+    let record = ledger.get(&scope).await.unwrap().unwrap();
+    assert_eq!(record.expires_at, Some(expires_at), "read after the repeat");
 }
 
 /// sqlx never shrinks a connection's write buffer: one that stored a large body would

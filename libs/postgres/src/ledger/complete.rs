@@ -23,6 +23,10 @@ use crate::headers;
 /// locked: a row another statement updated meanwhile (the reconciler's defer at lease end,
 /// the same completion repeated) has moved, and the update re-checks the row's newest
 /// version against the key and the attempt.
+///
+/// A repeated completion (its first reply was lost) keeps the row's `completed_at` and
+/// `expires_at`: a retry may already have replayed the answer with that expiry, and the
+/// record is remembered until then, not later.
 macro_rules! complete_sql {
     ($completions:literal) => {
         concat!(
@@ -38,8 +42,10 @@ macro_rules! complete_sql {
              UPDATE idempotency_keys AS k SET status = 'completed', \
                response_status = mine.status, response_headers = mine.headers, \
                response_body = mine.body, response_omitted = mine.omitted, \
-               completed_at = now(), locked_until = NULL, held_since = NULL, \
-               expires_at = now() + mine.ttl_ms * interval '1 millisecond' \
+               completed_at = CASE WHEN k.status = 'completed' THEN k.completed_at ELSE now() END, \
+               locked_until = NULL, held_since = NULL, \
+               expires_at = CASE WHEN k.status = 'completed' THEN k.expires_at \
+                 ELSE now() + mine.ttl_ms * interval '1 millisecond' END \
              FROM mine WHERE k.tenant_id = mine.tenant_id AND k.endpoint = mine.endpoint \
                AND k.key = mine.key AND k.attempt = mine.attempt \
              RETURNING mine.n, ",
