@@ -67,7 +67,8 @@ class ChartTest(unittest.TestCase):
              "oidc": {"auth": {"mode": "oidc", "oidcIssuer": "https://idp.example.com/realms/acme",
                                "audience": "payments-api"}},
              "tenants": {"config": {"tenants": {"default": {"rate": "500/s", "max_concurrent_requests": 256},
-                                                "acme": {"ttl": "72h", "lease": "1m"}}}}}
+                                                "acme": {"ttl": "72h", "lease": "1m"}}}},
+             "admin": {"admin": {"enabled": True, "tokenSecret": "idemgate-admin"}}}
 
     def test_lint_is_clean(self):
         for name, values in self.cases.items():
@@ -200,6 +201,23 @@ class ChartTest(unittest.TestCase):
             with self.assertRaises(Exception, msg=str(bad)):
                 render({"config": {"tenants": bad}})
 
+    def test_the_admin_api_is_off_unless_enabled_and_then_its_token_is_mounted(self):
+        default = render({})
+        self.assertNotIn("[admin]", by_kind(default, "ConfigMap", "idemgate")[0]["data"]["idemgate.toml"])
+        self.assertEqual(by_kind(default, "Service", "-admin"), [])
+        docs = render(self.cases["admin"])
+        config = tomllib.loads(by_kind(docs, "ConfigMap", "idemgate")[0]["data"]["idemgate.toml"])
+        self.assertEqual(config["admin"], {"listen": "0.0.0.0:9100", "token_file": "/etc/idemgate/admin/token"})
+        pod = by_kind(docs, "Deployment", "idemgate")[0]["spec"]["template"]["spec"]
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        self.assertEqual(volumes["admin-token"]["secret"]["secretName"], "idemgate-admin")
+        ports = {p["name"]: p["containerPort"] for p in pod["containers"][0]["ports"]}
+        self.assertEqual(ports["admin"], 9100)
+        service = by_kind(docs, "Service", "-admin")[0]["spec"]
+        self.assertEqual((service["type"], service["ports"][0]["targetPort"]), ("ClusterIP", "admin"))
+        with self.assertRaises(Exception, msg="enabled without a token Secret"):
+            render({"admin": {"enabled": True}})
+
     def test_alert_rules_pass_promtool_and_are_the_charts(self):
         promtool = shutil.which("promtool")
         self.assertIsNotNone(promtool, "promtool missing: apt-get install prometheus (scripts/test installs it)")
@@ -259,7 +277,9 @@ class ChartTest(unittest.TestCase):
                 }
                 for var, spec in env_map(gateway).items():
                     env[var] = stand_ins.get(var, spec.get("value", ""))
-                mounted = config.replace("/etc/idemgate/keys/", f"{tmp}/")
+                mounted = config.replace("/etc/idemgate/keys/", f"{tmp}/").replace("/etc/idemgate/admin/", f"{tmp}/")
+                if "[admin]" in config:
+                    (Path(tmp) / "token").write_text("an-admin-token-of-enough-length\n")
                 if "jwks_file" in config:
                     (Path(tmp) / "jwks.json").write_text(
                         (ROOT / "libs" / "auth" / "tests" / "fixtures" / "jwks.json").read_text())
