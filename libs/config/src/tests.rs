@@ -419,8 +419,11 @@ fn the_admin_api_is_off_by_default_and_needs_a_token_file_of_a_long_token() {
     let dir = std::env::temp_dir().join(format!("idem-admin-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let file = dir.join("token");
-    let admin = |token: &str| {
-        std::fs::write(&file, token).unwrap();
+    let admin = |token: Option<&str>| {
+        match token {
+            Some(token) => std::fs::write(&file, token).unwrap(),
+            None => std::fs::remove_file(&file).unwrap(),
+        }
         with(&format!(
             "[admin]\nlisten = \"127.0.0.1:9100\"\ntoken_file = {:?}",
             file.to_str().unwrap()
@@ -429,22 +432,13 @@ fn the_admin_api_is_off_by_default_and_needs_a_token_file_of_a_long_token() {
         .admin
         .token()
     };
-    assert_eq!(admin("short\n").unwrap_err().key, "admin.token_file");
+    assert_eq!(admin(Some("short\n")).unwrap_err().key, "admin.token_file");
     use secrecy::ExposeSecret;
-    let token = admin("0123456789abcdef0123\n").unwrap().unwrap();
+    let token = admin(Some("0123456789abcdef0123\n")).unwrap().unwrap();
     assert_eq!(token.expose_secret(), "0123456789abcdef0123", "trimmed");
-    std::fs::remove_file(&file).unwrap();
-    assert_eq!(admin_missing(&file), "admin.token_file");
-}
-
-fn admin_missing(file: &std::path::Path) -> String {
-    with(&format!(
-        "[admin]\nlisten = \"127.0.0.1:9100\"\ntoken_file = {:?}",
-        file.to_str().unwrap()
-    ))
-    .unwrap()
-    .admin
-    .token()
-    .unwrap_err()
-    .key
+    assert_eq!(
+        admin(None).unwrap_err().key,
+        "admin.token_file",
+        "a missing file"
+    );
 }

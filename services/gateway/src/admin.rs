@@ -28,7 +28,7 @@ use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 
 use crate::app::AppState;
-use crate::lookup::{Params, invalid, next_cursor};
+use crate::lookup::{self, Params, invalid};
 use crate::openapi::ProblemDoc;
 use crate::operator::OperatorKey;
 use crate::problem::Problem;
@@ -183,27 +183,9 @@ pub async fn list(
 ) -> Result<Response, Problem> {
     let Path(tenant) = tenant.map_err(|e| invalid(&e.body_text()))?;
     no_nul("tenant", &tenant)?;
-    let params = Params::parse(query.as_deref(), &["endpoint", "state", "limit", "cursor"])?;
-    let state = match params.state.as_deref() {
-        None | Some("in_progress" | "completed" | "unknown") => params.state.as_deref(),
-        Some(_) => return Err(invalid("`state` is one of in_progress, completed, unknown")),
-    };
-    let limit = params.limit()?;
-    let after = params.after()?;
-    let page = app
-        .engine
-        .ledger()
-        .list_keys(
-            &tenant,
-            params.endpoint.as_deref(),
-            state,
-            (&after.0, &after.1),
-            limit,
-        )
-        .await
-        .map_err(unavailable)?;
+    let (page, next_cursor) = lookup::page(&app, &tenant, query.as_deref()).await?;
     Ok(Json(OperatorKeyPage {
-        next_cursor: next_cursor(&page, limit),
+        next_cursor,
         keys: page.iter().map(OperatorKey::from).collect(),
     })
     .into_response())
@@ -325,17 +307,7 @@ pub async fn release(
         .map_err(unavailable)?;
     match done {
         OperatorRelease::Released { forced } => {
-            tracing::warn!(
-                tenant.id = %scope.tenant,
-                idempotency.endpoint = %scope.endpoint,
-                idempotency.key = %scope.key,
-                idempotency.attempt = %attempt,
-                forced,
-                operator = "admin API",
-                reason = %asked.reason,
-                "key released by an operator{}",
-                if forced { " (forced, inside its lease)" } else { "" }
-            );
+            crate::operator::log_release(&scope, attempt, forced, "admin API", &asked.reason);
             Ok(Json(Released {
                 tenant: scope.tenant.to_string(),
                 endpoint: scope.endpoint.to_string(),

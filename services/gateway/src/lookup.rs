@@ -106,7 +106,19 @@ pub async fn list(
     RawQuery(query): RawQuery,
 ) -> Result<Response, Problem> {
     let _quota = app.tenants.admit(&tenant)?;
-    let params = Params::parse(query.as_deref(), &["endpoint", "state", "limit", "cursor"])?;
+    let (page, next_cursor) = page(&app, &tenant, query.as_deref()).await?;
+    let keys = page.iter().map(TenantKey::from).collect();
+    Ok((LOOKUP, Json(TenantKeyPage { keys, next_cursor })).into_response())
+}
+
+/// A page of `tenant`'s live keys as the query (`endpoint`, `state`, `limit`, `cursor`)
+/// asks, and the cursor of the next page: the lookup's listing and the admin API's.
+pub(crate) async fn page(
+    app: &AppState,
+    tenant: &str,
+    query: Option<&str>,
+) -> Result<(Vec<KeyInfo>, Option<String>), Problem> {
+    let params = Params::parse(query, &["endpoint", "state", "limit", "cursor"])?;
     let state = match params.state.as_deref() {
         None | Some("in_progress" | "completed" | "unknown") => params.state.as_deref(),
         Some(_) => return Err(invalid("`state` is one of in_progress, completed, unknown")),
@@ -117,7 +129,7 @@ pub async fn list(
         .engine
         .ledger()
         .list_keys(
-            &tenant,
+            tenant,
             params.endpoint.as_deref(),
             state,
             (&after.0, &after.1),
@@ -128,13 +140,12 @@ pub async fn list(
             tracing::error!(%error, "key listing failed");
             Problem::LedgerUnavailable
         })?;
-    let next_cursor = next_cursor(&page, limit);
-    let keys = page.iter().map(TenantKey::from).collect();
-    Ok((LOOKUP, Json(TenantKeyPage { keys, next_cursor })).into_response())
+    let next = next_cursor(&page, limit);
+    Ok((page, next))
 }
 
 /// The cursor of the page after `page` (of at most `limit` keys), if there may be one.
-pub(crate) fn next_cursor(page: &[KeyInfo], limit: i64) -> Option<String> {
+fn next_cursor(page: &[KeyInfo], limit: i64) -> Option<String> {
     (page.len() as i64 == limit)
         .then(|| {
             page.last()

@@ -227,17 +227,7 @@ async fn run(command: Command) -> anyhow::Result<()> {
                     match ledger.release_by_operator(&scope, attempt, force).await? {
                         R::Released { forced } => {
                             let by = std::env::var("USER").unwrap_or_else(|_| "unknown".into());
-                            tracing::warn!(
-                                tenant.id = %scope.tenant,
-                                idempotency.endpoint = %scope.endpoint,
-                                idempotency.key = %scope.key,
-                                idempotency.attempt = %attempt,
-                                forced,
-                                operator = %by,
-                                %reason,
-                                "key released by an operator{}",
-                                if forced { " (forced, inside its lease)" } else { "" }
-                            );
+                            idemgate::operator::log_release(&scope, attempt, forced, &by, &reason);
                             println!(
                                 "released {named}, attempt {attempt}{}",
                                 if forced {

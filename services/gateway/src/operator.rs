@@ -2,6 +2,7 @@
 //! keys waiting on a person, one per line.
 
 use chrono::{DateTime, Utc};
+use idem_core::{AttemptId, Scope};
 use idem_postgres::KeyInfo;
 
 /// Where a key stands, in the words of the `operation_state` of 409 problems (the README's "Status codes").
@@ -146,4 +147,20 @@ pub fn held_line(info: &KeyInfo) -> String {
 /// The trace id of the first execution's `traceparent` (`00-<trace id>-<span>-<flags>`).
 fn trace_id(info: &KeyInfo) -> Option<&str> {
     info.trace_context.as_deref()?.split('-').nth(1)
+}
+
+/// The line every release by an operator writes (DESIGN §6): which key, which attempt,
+/// whether forced, by whom and why.
+pub fn log_release(scope: &Scope, attempt: AttemptId, forced: bool, by: &str, reason: &str) {
+    tracing::warn!(
+        tenant.id = %scope.tenant,
+        idempotency.endpoint = %scope.endpoint,
+        idempotency.key = %scope.key,
+        idempotency.attempt = %attempt,
+        forced,
+        operator = %by,
+        %reason,
+        "key released by an operator{}",
+        if forced { " (forced, inside its lease)" } else { "" }
+    );
 }
