@@ -45,6 +45,13 @@ export function calm(data) {
 }
 
 export function noisy(data) {
+  // The control (NOISE_TARGET=healthz): as many requests, each answered without a token,
+  // a quota or the ledger, to tell what the noise costs the machine from what the quota does.
+  if (__ENV.NOISE_TARGET === 'healthz') {
+    http.get(`${BASE_URL}/healthz`);
+    noisyAnswers.add(1);
+    return;
+  }
   const n = exec.scenario.iterationInTest;
   const r = http.post(`${BASE_URL}/payments`, paymentBody(`noisy-${n}`, 100), {
     headers: headers(data.noisy, `noisy-${RUN}-${n}`),
