@@ -28,7 +28,7 @@ use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 
 use crate::app::AppState;
-use crate::lookup::{self, Params, invalid};
+use crate::lookup::{self, Params, invalid, no_nul};
 use crate::openapi::ProblemDoc;
 use crate::operator::OperatorKey;
 use crate::problem::Problem;
@@ -102,14 +102,6 @@ fn scope(
     no_nul("endpoint", &endpoint)?;
     let key = IdempotencyKey::parse(key.as_bytes()).map_err(|e| invalid(&e.to_string()))?;
     Ok(Scope::new(tenant, endpoint, key))
-}
-
-/// Postgres text holds no NUL: a tenant or endpoint with one names nothing there.
-fn no_nul(name: &str, value: &str) -> Result<(), Problem> {
-    if value.contains('\0') {
-        return Err(invalid(&format!("`{name}` holds a NUL character")));
-    }
-    Ok(())
 }
 
 fn unavailable(error: impl std::fmt::Display) -> Problem {
@@ -318,17 +310,10 @@ pub async fn release(
             .into_response())
         }
         OperatorRelease::Absent => Err(Problem::KeyNotFound),
-        OperatorRelease::Completed => Err(Problem::ReleaseRefused(format!(
-            "{named} is completed: completed keys are never released; nothing changed"
-        ))),
-        OperatorRelease::OtherAttempt { current } => Err(Problem::ReleaseRefused(format!(
-            "attempt {attempt} no longer owns {named}: attempt {current} does now; nothing changed"
-        ))),
-        OperatorRelease::InsideLease { until } => Err(Problem::ReleaseRefused(format!(
-            "attempt {attempt} may still be running: its lease lasts until {}; send \"force\": true to release it anyway (the upstream may still act, and a retry would act again); nothing changed",
-            until.map_or("-".to_owned(), |t| t
-                .to_rfc3339_opts(chrono::SecondsFormat::Millis, true))
-        ))),
+        refused => Err(Problem::ReleaseRefused(
+            crate::operator::why_unchanged(&refused, &named, attempt, "send \"force\": true", "")
+                .unwrap_or_default(),
+        )),
     }
 }
 

@@ -238,6 +238,14 @@ pub(crate) fn invalid(why: &str) -> Problem {
     Problem::RequestInvalid(why.to_owned())
 }
 
+/// Postgres text holds no NUL: a tenant, endpoint or cursor with one names nothing there.
+pub(crate) fn no_nul(name: &str, value: &str) -> Result<(), Problem> {
+    if value.contains('\0') {
+        return Err(invalid(&format!("`{name}` holds a NUL character")));
+    }
+    Ok(())
+}
+
 /// The query parameters a lookup (or an admin listing) takes; any other, or one given
 /// twice, is refused.
 #[derive(Debug, Default)]
@@ -286,9 +294,7 @@ impl Params {
             if !allowed.contains(&name.as_ref()) {
                 return Err(invalid(&format!("unknown query parameter {name:?}")));
             }
-            if value.contains('\0') {
-                return Err(invalid(&format!("`{name}` holds a NUL character")));
-            }
+            no_nul(&name, &value)?;
             if slot.replace(value.into_owned()).is_some() {
                 return Err(invalid(&format!("`{name}` is given twice")));
             }

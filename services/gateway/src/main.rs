@@ -238,17 +238,16 @@ async fn run(command: Command) -> anyhow::Result<()> {
                             );
                             Ok(())
                         }
-                        R::Absent => anyhow::bail!("no record for {named}; nothing changed"),
-                        R::Completed => anyhow::bail!(
-                            "{named} is completed: completed keys are never released; nothing changed"
-                        ),
-                        R::OtherAttempt { current } => anyhow::bail!(
-                            "attempt {attempt} no longer owns {named}: attempt {current} does now (see `keys show`); nothing changed"
-                        ),
-                        R::InsideLease { until } => anyhow::bail!(
-                            "attempt {attempt} may still be running: its lease lasts until {}; pass --force to release it anyway (the upstream may still act, and a retry would act again); nothing changed",
-                            until.map_or("-".to_owned(), |t| t
-                                .to_rfc3339_opts(chrono::SecondsFormat::Millis, true))
+                        refused => anyhow::bail!(
+                            "{}",
+                            idemgate::operator::why_unchanged(
+                                &refused,
+                                &named,
+                                attempt,
+                                "pass --force",
+                                " (see `keys show`)",
+                            )
+                            .unwrap_or_default()
                         ),
                     }
                 }

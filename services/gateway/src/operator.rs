@@ -3,7 +3,7 @@
 
 use chrono::{DateTime, Utc};
 use idem_core::{AttemptId, Scope};
-use idem_postgres::KeyInfo;
+use idem_postgres::{KeyInfo, OperatorRelease};
 
 /// Where a key stands, in the words of the `operation_state` of 409 problems (the README's "Status codes").
 pub fn state(info: &KeyInfo) -> &'static str {
@@ -163,4 +163,31 @@ pub fn log_release(scope: &Scope, attempt: AttemptId, forced: bool, by: &str, re
         "key released by an operator{}",
         if forced { " (forced, inside its lease)" } else { "" }
     );
+}
+
+/// Why an operator's release changed nothing, in the same words from the CLI and the admin
+/// API (`None`: it released). `force` says how to ask for a forced release there, `look`
+/// where to see the key again.
+pub fn why_unchanged(
+    done: &OperatorRelease,
+    named: &str,
+    attempt: AttemptId,
+    force: &str,
+    look: &str,
+) -> Option<String> {
+    Some(match done {
+        OperatorRelease::Released { .. } => return None,
+        OperatorRelease::Absent => format!("no record for {named}; nothing changed"),
+        OperatorRelease::Completed => {
+            format!("{named} is completed: completed keys are never released; nothing changed")
+        }
+        OperatorRelease::OtherAttempt { current } => format!(
+            "attempt {attempt} no longer owns {named}: attempt {current} does now{look}; nothing changed"
+        ),
+        OperatorRelease::InsideLease { until } => format!(
+            "attempt {attempt} may still be running: its lease lasts until {}; {force} to release it anyway (the upstream may still act, and a retry would act again); nothing changed",
+            until.map_or("-".to_owned(), |t| t
+                .to_rfc3339_opts(chrono::SecondsFormat::Millis, true))
+        ),
+    })
 }
