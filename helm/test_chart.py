@@ -230,7 +230,7 @@ class ChartTest(unittest.TestCase):
         self.assertEqual(rendered, yaml.safe_load(rules.read_text()))
         alerts = {r["alert"] for g in rendered["groups"] for r in g["rules"]}
         self.assertEqual(alerts, {"IdemgateHeldKeysGrowing", "IdemgateFencedCompletions", "IdemgateOutcomeUnrecorded",
-                                  "IdemgateJwksStale", "IdemgateTenantThrottled"})
+                                  "IdemgateJwksStale", "IdemgateTenantThrottled", "IdemgateRecordsRestored"})
 
     def test_the_dashboard_and_the_alerts_use_only_metrics_idemgate_exports(self):
         import json

@@ -436,7 +436,7 @@ impl<L: Ledger, C: Cache> Engine<L, C> {
             let committing = Instant::now();
             match self
                 .ledger
-                .complete(scope, attempt.id, &stored, req.policy.ttl)
+                .complete(scope, attempt.id, req.fingerprint, &stored, req.policy.ttl)
                 .await
             {
                 Ok(completed) => break (completed, committing),

@@ -108,11 +108,14 @@ pub trait Ledger: Send + Sync {
     ) -> impl Future<Output = Result<Option<Record>, LedgerError>> + Send;
 
     /// Stores the response and marks the record completed, fenced by `attempt`; the
-    /// record expires `ttl` after the ledger's clock at the write.
+    /// record expires `ttl` after the ledger's clock at the write. `fingerprint` is the
+    /// claim's: a ledger that finds the record absent (lost by a failover, not taken by
+    /// another attempt) may write it back whole.
     fn complete(
         &self,
         scope: &Scope,
         attempt: AttemptId,
+        fingerprint: &Fingerprint,
         response: &StoredResponse,
         ttl: Duration,
     ) -> impl Future<Output = Result<Completed, LedgerError>> + Send;

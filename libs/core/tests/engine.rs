@@ -75,6 +75,7 @@ impl Ledger for MemLedger {
         &self,
         scope: &Scope,
         attempt: AttemptId,
+        _: &Fingerprint,
         response: &StoredResponse,
         ttl: Duration,
     ) -> Result<Completed, LedgerError> {

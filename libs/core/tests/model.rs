@@ -175,6 +175,7 @@ impl Ledger for Ledger_ {
         &self,
         scope: &Scope,
         attempt: AttemptId,
+        _: &Fingerprint,
         response: &StoredResponse,
         _: Duration,
     ) -> Result<Completed, LedgerError> {

@@ -238,7 +238,8 @@ where
     let kept = (bytes.len() <= options.max_response_bytes).then(|| bytes.clone());
     let stored =
         idem_upstream::headers::to_stored(status, &head.headers, kept, options.store_set_cookie);
-    let expires_at = match in_tx::complete(&mut tx, &scope, attempt, &stored, options.ttl).await {
+    let completed = in_tx::complete(&mut tx, &scope, attempt, &fingerprint, &stored, options.ttl);
+    let expires_at = match completed.await {
         Ok(Completed::Recorded { expires_at }) => expires_at,
         Ok(Completed::Lost) => {
             // No one else can see the uncommitted claim: this cannot happen.

@@ -54,7 +54,13 @@ async fn a_replay_reads_the_row_without_locking_it() {
         assert!(matches!(claimed, ClaimResult::Claimed));
         if complete {
             let fence = ledger
-                .complete(&scope, attempt, &response("paid"), Duration::from_secs(60))
+                .complete(
+                    &scope,
+                    attempt,
+                    &fingerprint(),
+                    &response("paid"),
+                    Duration::from_secs(60),
+                )
                 .await
                 .unwrap()
                 .fence();

@@ -36,7 +36,13 @@ async fn a_completion_after_the_reconciler_resolved_the_row_is_fenced_out() {
     // The original attempt wakes up and tries to complete and to release: both lose.
     assert_eq!(
         ledger
-            .complete(&scope, attempt, &response("late"), Duration::from_secs(60))
+            .complete(
+                &scope,
+                attempt,
+                &fingerprint(),
+                &response("late"),
+                Duration::from_secs(60)
+            )
             .await
             .unwrap(),
         Completed::Lost
@@ -57,7 +63,7 @@ async fn a_completion_says_when_its_row_expires_as_the_row_says_it() {
     let (attempt, _) = claim(&ledger, &scope, Duration::from_secs(30)).await;
     let ttl = Duration::from_secs(3600);
     let Completed::Recorded { expires_at } = ledger
-        .complete(&scope, attempt, &response("paid"), ttl)
+        .complete(&scope, attempt, &fingerprint(), &response("paid"), ttl)
         .await
         .unwrap()
     else {
@@ -90,7 +96,7 @@ async fn a_completion_says_when_its_row_expires_as_the_row_says_it() {
     // a retry may have replayed already.
     tokio::time::sleep(Duration::from_millis(20)).await;
     let again = ledger
-        .complete(&scope, attempt, &response("paid"), ttl)
+        .complete(&scope, attempt, &fingerprint(), &response("paid"), ttl)
         .await
         .unwrap();
     assert_eq!(again, Completed::Recorded { expires_at }, "a repeat");
@@ -125,7 +131,7 @@ async fn a_connection_that_stored_a_large_body_is_closed_after_use() {
             let ttl = Duration::from_secs(60);
             assert_eq!(
                 ledger
-                    .complete(&scope, attempt, &body, ttl)
+                    .complete(&scope, attempt, &fingerprint(), &body, ttl)
                     .await
                     .unwrap()
                     .fence(),
@@ -168,7 +174,13 @@ async fn completions_queued_together_are_each_fenced_by_their_own_attempt() {
             let scope = scope(key);
             let done = response(key);
             ledger
-                .complete(&scope, attempt, &done, Duration::from_secs(60))
+                .complete(
+                    &scope,
+                    attempt,
+                    &fingerprint(),
+                    &done,
+                    Duration::from_secs(60),
+                )
                 .await
         })
     };
@@ -199,4 +211,88 @@ async fn completions_queued_together_are_each_fenced_by_their_own_attempt() {
     }
     let stale = ledger.get(&scope("stale")).await.unwrap().unwrap();
     assert!(matches!(stale.state, RecordState::InProgress { .. }));
+}
+
+/// A failover to a standby that had not received the claim's commit loses the row while
+/// its attempt runs. The completion then finds no row at all — not a row another attempt
+/// owns — and writes the completed record back, so a retry replays instead of claiming
+/// the key afresh and executing again; a row another attempt claimed meanwhile is still
+/// never overwritten. (On d90d3dd the completion answered `Lost` and wrote nothing:
+/// "a completion whose row vanished: Lost".)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_completion_whose_row_vanished_writes_it_back() {
+    let db = TestDb::create().await;
+    let ledger = ledger(&db).await;
+    let mut conn = db.connect().await;
+    const DELETE: &str = "DELETE FROM idempotency_keys WHERE key = $1";
+
+    let vanished = scope("vanished");
+    let (attempt, _) = claim(&ledger, &vanished, Duration::from_secs(30)).await;
+    sqlx::query(DELETE)
+        .bind("vanished")
+        .execute(&mut conn)
+        .await
+        .unwrap();
+    let completed = ledger
+        .complete(
+            &vanished,
+            attempt,
+            &fingerprint(),
+            &response("paid"),
+            Duration::from_secs(60),
+        )
+        .await
+        .unwrap();
+    assert!(
+        matches!(completed, Completed::Recorded { .. }),
+        "a completion whose row vanished: {completed:?}"
+    );
+    let record = ledger.get(&vanished).await.unwrap().expect("written back");
+    assert_eq!(record.attempt, attempt);
+    assert_eq!(record.fingerprint, fingerprint(), "the claim's fingerprint");
+    let RecordState::Completed(stored) = &record.state else {
+        panic!("restored in progress: {record:?}");
+    };
+    assert_eq!(stored.body, Bytes::from_static(b"paid"));
+    assert_eq!(
+        record.expires_at,
+        match completed {
+            Completed::Recorded { expires_at } => Some(expires_at),
+            Completed::Lost => None,
+        }
+    );
+    // A retry's claim now finds the answer: it replays.
+    let (_, retried) = claim(&ledger, &vanished, Duration::from_secs(30)).await;
+    assert!(
+        matches!(retried, ClaimResult::Existing(ref r) if r.attempt == attempt),
+        "a retry after the write-back: {retried:?}"
+    );
+
+    // The row vanished and another attempt claimed the key since: that row is its own.
+    let taken = scope("taken");
+    let (first, _) = claim(&ledger, &taken, Duration::from_secs(30)).await;
+    sqlx::query(DELETE)
+        .bind("taken")
+        .execute(&mut conn)
+        .await
+        .unwrap();
+    let (second, _) = claim(&ledger, &taken, Duration::from_secs(30)).await;
+    assert_ne!(first, second);
+    let late = ledger
+        .complete(
+            &taken,
+            first,
+            &fingerprint(),
+            &response("late"),
+            Duration::from_secs(60),
+        )
+        .await
+        .unwrap();
+    assert_eq!(late, Completed::Lost, "another attempt's row");
+    let record = ledger.get(&taken).await.unwrap().unwrap();
+    assert_eq!(record.attempt, second);
+    assert!(
+        matches!(record.state, RecordState::InProgress { .. }),
+        "{record:?}"
+    );
 }

@@ -53,10 +53,17 @@ async fn a_transactions_claim_and_completion_are_planned_once_per_connection_by_
         };
         let claimed = in_tx::claim(&mut tx, &claim).await.unwrap();
         assert!(matches!(claimed, ClaimResult::Claimed), "{claimed:?}");
-        let fence = in_tx::complete(&mut tx, &scope, attempt, &response("{}"), claim.ttl)
-            .await
-            .unwrap()
-            .fence();
+        let fence = in_tx::complete(
+            &mut tx,
+            &scope,
+            attempt,
+            &fingerprint,
+            &response("{}"),
+            claim.ttl,
+        )
+        .await
+        .unwrap()
+        .fence();
         assert_eq!(fence, Fence::Held);
         tx.commit().await.unwrap();
     }
@@ -70,7 +77,7 @@ async fn a_transactions_claim_and_completion_are_planned_once_per_connection_by_
     let claim_args = "'acme', 'POST /payments', 'x', decode(repeat('ab', 32), 'hex'), \
                       gen_random_uuid(), 1000, NULL, 1000";
     let complete_args = "'acme', 'POST /payments', 'x', gen_random_uuid(), 201, '[]', '\\x00', \
-                         1000, false";
+                         1000, false, decode(repeat('ab', 32), 'hex')";
     for (what, sql, args) in [
         ("claim", CLAIM_ONE_SQL, claim_args),
         ("completion", COMPLETE_ONE_SQL, complete_args),

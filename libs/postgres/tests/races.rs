@@ -52,7 +52,13 @@ async fn a_completion_that_waited_on_another_update_of_its_row_still_completes_i
             tokio::spawn(async move {
                 let paid = response("paid");
                 ledger
-                    .complete(&scope, attempt, &paid, Duration::from_secs(60))
+                    .complete(
+                        &scope,
+                        attempt,
+                        &fingerprint(),
+                        &paid,
+                        Duration::from_secs(60),
+                    )
                     .await
             })
         };
@@ -84,7 +90,13 @@ async fn concurrent_replays_of_a_large_answer_share_one_copy_of_its_body() {
     let body = Bytes::from(vec![7u8; 6 << 20]);
     let stored = StoredResponse::new(201, Vec::new(), body.clone());
     let fence = ledger
-        .complete(&scope, attempt, &stored, Duration::from_secs(60))
+        .complete(
+            &scope,
+            attempt,
+            &fingerprint(),
+            &stored,
+            Duration::from_secs(60),
+        )
         .await
         .unwrap()
         .fence();
@@ -146,7 +158,7 @@ async fn replays_beyond_the_bytes_in_flight_are_refused_until_memory_is_free() {
         let stored = StoredResponse::new(201, Vec::new(), Bytes::from(vec![1u8; 6 << 20]));
         let ttl = Duration::from_secs(60);
         let fence = ledger
-            .complete(&scope, attempt, &stored, ttl)
+            .complete(&scope, attempt, &fingerprint(), &stored, ttl)
             .await
             .unwrap()
             .fence();

@@ -24,7 +24,13 @@ async fn a_resolution_after_the_gateway_finished_changes_nothing() {
     // The gateway completes between the reconciler's take and its resolution.
     assert_eq!(
         ledger
-            .complete(&scope, attempt, &response("real"), Duration::from_secs(60))
+            .complete(
+                &scope,
+                attempt,
+                &fingerprint(),
+                &response("real"),
+                Duration::from_secs(60)
+            )
             .await
             .unwrap()
             .fence(),

@@ -428,6 +428,10 @@ fn describe_metrics() {
         "idemgate_ledger_errors_total",
         "Ledger statements that failed or timed out."
     );
+    describe_counter!(
+        "idemgate_records_restored_total",
+        "Completions whose row had vanished and were written back (a failover lost acknowledged commits)."
+    );
     describe_gauge!(
         "idemgate_jwks_keys",
         "Signing keys in the identity provider's set in use (0 until the first fetch)."

@@ -4,7 +4,7 @@
 use std::time::Duration;
 
 use bytes::Bytes;
-use idem_core::{AttemptId, Completed, Scope, StoredResponse};
+use idem_core::{AttemptId, Completed, Fingerprint, Scope, StoredResponse};
 use sqlx::PgConnection;
 use uuid::Uuid;
 
@@ -13,10 +13,10 @@ use crate::group::Batch;
 use crate::headers;
 
 /// The completion of the rows `i` the argument selects (tenant_id, endpoint, key, attempt,
-/// status, headers, body, ttl_ms, omitted and their position n): each fenced by its key and
-/// attempt alone (not by status), so that repeating a completion whose reply was lost finds
-/// its own row again instead of reporting a lost fence. Returns the positions of the rows
-/// it changed, each with its new expiry.
+/// status, headers, body, ttl_ms, omitted, request_hash and their position n): each fenced
+/// by its key and attempt alone (not by status), so that repeating a completion whose
+/// reply was lost finds its own row again instead of reporting a lost fence. Returns the
+/// positions of the rows it wrote, each with its new expiry and whether it was restored.
 ///
 /// The rows are locked first, in the order of `i` (scope order), as claims lock them. The
 /// update then finds each row by its key again, never by where the row was when it was
@@ -27,6 +27,14 @@ use crate::headers;
 /// A repeated completion (its first reply was lost) keeps the row's `completed_at` and
 /// `expires_at`: a retry may already have replayed the answer with that expiry, and the
 /// record is remembered until then, not later.
+///
+/// A row that is **absent** — no attempt's row at all for the key, not one another attempt
+/// owns — is written back, completed (`restored`). Nothing of the gateway deletes a row
+/// whose attempt is still inside its lease, so an absent row means the ledger lost a
+/// commit it had acknowledged (a failover to a standby that had not received it). The
+/// upstream did act: without the write-back a retry would claim the key afresh and execute
+/// again. The insert is fenced like any claim: a row another attempt inserted since
+/// (visible or not to this statement) conflicts, and nothing is written.
 macro_rules! complete_sql {
     ($completions:literal) => {
         concat!(
@@ -38,38 +46,58 @@ macro_rules! complete_sql {
                  SELECT 1 FROM idempotency_keys AS k \
                  WHERE k.tenant_id = i.tenant_id AND k.endpoint = i.endpoint \
                    AND k.key = i.key AND k.attempt = i.attempt \
-                 FOR UPDATE) AS locked) \
-             UPDATE idempotency_keys AS k SET status = 'completed', \
-               response_status = mine.status, response_headers = mine.headers, \
-               response_body = mine.body, response_omitted = mine.omitted, \
-               completed_at = CASE WHEN k.status = 'completed' THEN k.completed_at ELSE now() END, \
-               locked_until = NULL, held_since = NULL, \
-               expires_at = CASE WHEN k.status = 'completed' THEN k.expires_at \
-                 ELSE now() + mine.ttl_ms * interval '1 millisecond' END \
-             FROM mine WHERE k.tenant_id = mine.tenant_id AND k.endpoint = mine.endpoint \
-               AND k.key = mine.key AND k.attempt = mine.attempt \
-             RETURNING mine.n, ",
-            $crate::ledger::rules::epoch_micros!("k.expires_at"),
-            " AS expires_at_us"
+                 FOR UPDATE) AS locked), \
+             done AS (\
+               UPDATE idempotency_keys AS k SET status = 'completed', \
+                 response_status = mine.status, response_headers = mine.headers, \
+                 response_body = mine.body, response_omitted = mine.omitted, \
+                 completed_at = CASE WHEN k.status = 'completed' THEN k.completed_at ELSE now() END, \
+                 locked_until = NULL, held_since = NULL, \
+                 expires_at = CASE WHEN k.status = 'completed' THEN k.expires_at \
+                   ELSE now() + mine.ttl_ms * interval '1 millisecond' END \
+               FROM mine WHERE k.tenant_id = mine.tenant_id AND k.endpoint = mine.endpoint \
+                 AND k.key = mine.key AND k.attempt = mine.attempt \
+               RETURNING mine.n, k.expires_at), \
+             restored AS (\
+               INSERT INTO idempotency_keys AS k \
+                 (tenant_id, endpoint, key, request_hash, status, attempt, response_status, \
+                  response_headers, response_body, response_omitted, created_at, completed_at, \
+                  expires_at) \
+               SELECT i.tenant_id, i.endpoint, i.key, i.request_hash, 'completed', i.attempt, \
+                  i.status, i.headers, i.body, i.omitted, now(), now(), \
+                  now() + i.ttl_ms * interval '1 millisecond' \
+               FROM i WHERE NOT EXISTS (SELECT 1 FROM idempotency_keys AS k \
+                 WHERE k.tenant_id = i.tenant_id AND k.endpoint = i.endpoint AND k.key = i.key) \
+               ON CONFLICT (tenant_id, endpoint, key) DO NOTHING \
+               RETURNING k.tenant_id, k.endpoint, k.key, k.expires_at) \
+             SELECT done.n, ",
+            $crate::ledger::rules::epoch_micros!("done.expires_at"),
+            " AS expires_at_us, false AS restored FROM done \
+             UNION ALL \
+             SELECT i.n, ",
+            $crate::ledger::rules::epoch_micros!("restored.expires_at"),
+            ", true FROM restored JOIN i ON i.tenant_id = restored.tenant_id \
+               AND i.endpoint = restored.endpoint AND i.key = restored.key"
         )
     };
 }
 
-/// The completions of a group, over the arrays $1..$9 (tenant, endpoint, key, attempt,
-/// status, headers, body, TTL ms, body omitted), one element per completion.
+/// The completions of a group, over the arrays $1..$10 (tenant, endpoint, key, attempt,
+/// status, headers, body, TTL ms, body omitted, request hash), one element per completion
+/// (one per scope: the write-back joins its rows to them by key).
 pub const COMPLETE_SQL: &str = complete_sql!(
     "SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::uuid[], $5::int4[], \
-                          $6::jsonb[], $7::bytea[], $8::float8[], $9::bool[]) \
+                          $6::jsonb[], $7::bytea[], $8::float8[], $9::bool[], $10::bytea[]) \
        WITH ORDINALITY AS i(tenant_id, endpoint, key, attempt, status, headers, body, \
-                            ttl_ms, omitted, n)"
+                            ttl_ms, omitted, request_hash, n)"
 );
 
-/// The same completion of one row, $1..$9 as scalars: embedded mode's, in the transaction
+/// The same completion of one row, $1..$10 as scalars: embedded mode's, in the transaction
 /// that claimed it. Planned once per connection, as [`super::claim::CLAIM_ONE_SQL`] is.
 pub const COMPLETE_ONE_SQL: &str = complete_sql!(
     "SELECT $1::text AS tenant_id, $2::text AS endpoint, $3::text AS key, \
        $4::uuid AS attempt, $5::int4 AS status, $6::jsonb AS headers, $7::bytea AS body, \
-       $8::float8 AS ttl_ms, $9::bool AS omitted, 1::int8 AS n"
+       $8::float8 AS ttl_ms, $9::bool AS omitted, $10::bytea AS request_hash, 1::int8 AS n"
 );
 
 /// One completion as its pipe queues it.
@@ -82,12 +110,14 @@ pub(crate) struct CompleteRow {
     body: Bytes,
     ttl_ms: f64,
     omitted: bool,
+    fingerprint: [u8; 32],
 }
 
 impl CompleteRow {
     pub(crate) fn of(
         scope: &Scope,
         attempt: AttemptId,
+        fingerprint: &Fingerprint,
         response: &StoredResponse,
         ttl: Duration,
     ) -> Self {
@@ -99,6 +129,7 @@ impl CompleteRow {
             body: response.body.clone(),
             ttl_ms: millis(ttl),
             omitted: response.body_omitted,
+            fingerprint: *fingerprint.as_bytes(),
         }
     }
 }
@@ -109,7 +140,7 @@ impl CompleteRow {
         &self,
         conn: &mut PgConnection,
     ) -> Result<Completed, sqlx::Error> {
-        let held: Option<(i64, i64)> = sqlx::query_as(COMPLETE_ONE_SQL)
+        let held: Option<(i64, i64, bool)> = sqlx::query_as(COMPLETE_ONE_SQL)
             .bind(self.scope.tenant.as_str())
             .bind(self.scope.endpoint.as_str())
             .bind(self.scope.key.as_str())
@@ -119,9 +150,10 @@ impl CompleteRow {
             .bind(&self.body[..])
             .bind(self.ttl_ms)
             .bind(self.omitted)
+            .bind(&self.fingerprint[..])
             .fetch_optional(conn)
             .await?;
-        Ok(completed(held.map(|(_, expires_at)| expires_at)))
+        Ok(self.completed(held.map(|(_, expires_at, restored)| (expires_at, restored))))
     }
 }
 
@@ -154,7 +186,7 @@ impl Batch for Completions {
         conn: &mut PgConnection,
         rows: &[&CompleteRow],
     ) -> Result<Vec<Completed>, sqlx::Error> {
-        let held: Vec<(i64, i64)> = sqlx::query_as(COMPLETE_SQL)
+        let held: Vec<(i64, i64, bool)> = sqlx::query_as(COMPLETE_SQL)
             .bind(column(rows, |r| r.scope.tenant.as_str()))
             .bind(column(rows, |r| r.scope.endpoint.as_str()))
             .bind(column(rows, |r| r.scope.key.as_str()))
@@ -164,21 +196,43 @@ impl Batch for Completions {
             .bind(column(rows, |r| &r.body[..]))
             .bind(column(rows, |r| r.ttl_ms))
             .bind(column(rows, |r| r.omitted))
+            .bind(column(rows, |r| &r.fingerprint[..]))
             .fetch_all(conn)
             .await?;
-        // The statement returns the (1-based) positions of the rows it changed.
-        Ok((1..=rows.len() as i64)
-            .map(|n| completed(held.iter().find(|(at, _)| *at == n).map(|&(_, e)| e)))
+        // The statement returns the (1-based) positions of the rows it wrote.
+        Ok(rows
+            .iter()
+            .zip(1..)
+            .map(|(row, n)| {
+                let wrote = held.iter().find(|(at, ..)| *at == n);
+                row.completed(wrote.map(|&(_, expires_at, restored)| (expires_at, restored)))
+            })
             .collect())
     }
 }
 
-/// A completion that changed its row (and gave the row's new expiry), or did not.
-fn completed(expires_at_us: Option<i64>) -> Completed {
-    match expires_at_us {
-        Some(us) => Completed::Recorded {
-            expires_at: rules::system_time(us),
-        },
-        None => Completed::Lost,
+impl CompleteRow {
+    /// What this completion did: wrote its row (with the row's new expiry, and whether it
+    /// had to write the row back), or nothing.
+    fn completed(&self, wrote: Option<(i64, bool)>) -> Completed {
+        let Some((expires_at_us, restored)) = wrote else {
+            return Completed::Lost;
+        };
+        if restored {
+            idem_telemetry::metrics::counter!("idemgate_records_restored_total").increment(1);
+            tracing::error!(
+                tenant = %self.scope.tenant,
+                endpoint = %self.scope.endpoint,
+                key = %self.scope.key.as_str(),
+                attempt = %self.attempt,
+                "the completion found no row for its key, although its attempt held the \
+                 claim: the ledger lost a commit it had acknowledged (most likely a failover \
+                 to a standby that had not received it: is replication synchronous?). The \
+                 completed record was written back, so retries replay this answer"
+            );
+        }
+        Completed::Recorded {
+            expires_at: rules::system_time(expires_at_us),
+        }
     }
 }

@@ -15,7 +15,8 @@
 use std::time::Duration;
 
 use idem_core::{
-    AttemptId, Claim, ClaimResult, Completed, LedgerError, RecordState, Scope, StoredResponse,
+    AttemptId, Claim, ClaimResult, Completed, Fingerprint, LedgerError, RecordState, Scope,
+    StoredResponse,
 };
 use sqlx::{PgConnection, Row};
 
@@ -76,10 +77,11 @@ pub async fn complete(
     conn: &mut PgConnection,
     scope: &Scope,
     attempt: AttemptId,
+    fingerprint: &Fingerprint,
     response: &StoredResponse,
     ttl: Duration,
 ) -> Result<Completed, LedgerError> {
-    CompleteRow::of(scope, attempt, response, ttl)
+    CompleteRow::of(scope, attempt, fingerprint, response, ttl)
         .write_one(conn)
         .await
         .map_err(LedgerError::new)

@@ -33,8 +33,8 @@ use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use idem_core::{
-    AttemptId, Claim, ClaimResult, Completed, Fence, Ledger, LedgerError, Record, RecordState,
-    Scope, StoredResponse,
+    AttemptId, Claim, ClaimResult, Completed, Fence, Fingerprint, Ledger, LedgerError, Record,
+    RecordState, Scope, StoredResponse,
 };
 use sqlx::postgres::PgArguments;
 use sqlx::query::Query;
@@ -321,11 +321,12 @@ impl Ledger for PgLedger {
         &self,
         scope: &Scope,
         attempt: AttemptId,
+        fingerprint: &Fingerprint,
         response: &StoredResponse,
         ttl: Duration,
     ) -> Result<Completed, LedgerError> {
         idem_telemetry::failpoint::stop_here("stop-before-complete");
-        let row = complete::CompleteRow::of(scope, attempt, response, ttl);
+        let row = complete::CompleteRow::of(scope, attempt, fingerprint, response, ttl);
         self.traced("complete", self.completions().write(row)).await
     }
 

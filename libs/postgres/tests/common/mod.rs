@@ -37,8 +37,13 @@ pub async fn ledger(db: &TestDb) -> PgLedger {
     )
 }
 
+/// The fingerprint of every claim these tests make.
+pub fn fingerprint() -> Fingerprint {
+    Fingerprint::compute("POST", "/payments", BodyKind::Raw, b"x").unwrap()
+}
+
 pub async fn claim(ledger: &PgLedger, scope: &Scope, lease: Duration) -> (AttemptId, ClaimResult) {
-    let fp = Fingerprint::compute("POST", "/payments", BodyKind::Raw, b"x").unwrap();
+    let fp = fingerprint();
     let attempt = AttemptId::random();
     let claim = Claim {
         scope,
@@ -94,7 +99,7 @@ pub fn claim_in_background(
 ) -> tokio::task::JoinHandle<(AttemptId, Result<ClaimResult, idem_core::LedgerError>)> {
     let (ledger, scope) = (ledger.clone(), scope.clone());
     tokio::spawn(async move {
-        let fp = Fingerprint::compute("POST", "/payments", BodyKind::Raw, b"x").unwrap();
+        let fp = fingerprint();
         let attempt = AttemptId::random();
         let claim = Claim {
             scope: &scope,
