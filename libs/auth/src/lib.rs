@@ -115,6 +115,13 @@ pub enum AuthError {
         "the token's tenant claim {0:?} must be a non-empty string of printable ASCII, at most 255 characters"
     )]
     TenantInvalid(String),
+    /// Embedded mode's trusted tenant header (set by the service's own authentication).
+    #[error("the request carries no tenant in header {0:?}")]
+    TenantHeaderMissing(String),
+    #[error(
+        "the tenant header {0:?} must appear once, a non-empty string of printable ASCII, at most 255 characters"
+    )]
+    TenantHeaderInvalid(String),
 }
 
 /// The authenticated tenant.
@@ -412,7 +419,9 @@ fn now_secs() -> u64 {
         .as_secs()
 }
 
-fn valid_tenant(t: &str) -> bool {
+/// Whether `t` may name a tenant: 1 to [`MAX_TENANT_LEN`] printable ASCII characters
+/// (0x21–0x7E), as the tenant claim of a token must be.
+pub fn valid_tenant(t: &str) -> bool {
     !t.is_empty() && t.len() <= MAX_TENANT_LEN && t.bytes().all(|b| (0x21..=0x7e).contains(&b))
 }
 

@@ -76,12 +76,17 @@ impl StatusSet {
             codes: Vec::new(),
         };
         for entry in entries {
-            match entry {
-                StatusEntry::Class(c) => set.classes[usize::from(c)] = true,
-                StatusEntry::Code(code) => set.codes.push(code),
-            }
+            set.insert(entry);
         }
         set
+    }
+
+    /// Adds one entry (a class must be 1 to 5, as [`StatusSet::parse_entry`] gives).
+    pub fn insert(&mut self, entry: StatusEntry) {
+        match entry {
+            StatusEntry::Class(c) => self.classes[usize::from(c)] = true,
+            StatusEntry::Code(code) => self.codes.push(code),
+        }
     }
 }
 

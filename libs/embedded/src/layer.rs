@@ -9,10 +9,15 @@
 //!    finds its answer, or claims the key itself if the first rolled back, or gets 409;
 //! 4. the handler runs with the transaction ([`crate::Tx`]); the request's extensions
 //!    hold its [`Scope`] (tenant, endpoint, key) and its [`AttemptId`];
-//! 5. an answer whose status rolls back (every 5xx by default) rolls everything back: the
-//!    client gets it, marked `not_executed` if it is a problem document, and the key is
-//!    free. Any other answer is stored in the record on the same transaction, which
-//!    commits; only then is it answered. A commit whose acknowledgement was lost is 503
+//! 5. an answer whose status rolls back (every 5xx, 408, 425 and 429 by default) rolls
+//!    everything back: the client gets it, marked `not_executed` if it is a problem
+//!    document, and the key is free. Those are also the statuses of the layers that cut a
+//!    handler off and answer for it (a timeout's 408, a rate limiter's 429, a load
+//!    shedder's 503): the layer cannot tell their answer from the handler's (axum drops
+//!    the handler's future before the answer reaches it), so a layer put between this
+//!    one and the handler must answer with a status that rolls back. Any other answer
+//!    is stored in the record on the same transaction, which commits; only then is it
+//!    answered. A commit whose acknowledgement was lost is 503
 //!    `outcome-unrecorded`: a retry finds the committed record, or none.
 
 use std::convert::Infallible;
@@ -20,7 +25,6 @@ use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
-use std::time::{Duration, SystemTime};
 
 use axum::body::Body;
 use axum::extract::Request;
@@ -30,7 +34,7 @@ use http::{HeaderValue, header};
 use http_body_util::BodyExt;
 use idem_core::{
     AttemptId, BodyKind, Cache, CacheEntry, Claim, ClaimResult, Completed, Fingerprint, Outcome,
-    Scope, Verdict,
+    Scope, Verdict, engine,
 };
 use idem_http::Problem;
 use idem_http::problem::NOT_EXECUTED;
@@ -117,9 +121,9 @@ async fn serve<S>(
 where
     S: Service<Request, Response = Response, Error = Infallible>,
 {
-    let options = &shared.options;
+    let options = &shared.settings;
     let (mut parts, body) = request.into_parts();
-    let tenant = options
+    let tenant = shared
         .tenant
         .of(&parts.headers)
         .await
@@ -162,7 +166,7 @@ where
         return Ok(existing(shared, &scope, verdict, None).await);
     }
 
-    let begun = SystemTime::now();
+    let begun = tokio::time::Instant::now();
     let mut tx = shared
         .pool
         .begin_with(sqlx::AssertSqlSafe(shared.begin.clone()))
@@ -193,7 +197,7 @@ where
         }
         Err(TxClaimError::LockWait) => {
             return Err(Problem::InProgress {
-                retry_after: Duration::from_secs(1),
+                retry_after: std::time::Duration::from_secs(1),
                 outcome_unknown: false,
             });
         }
@@ -267,9 +271,7 @@ where
     };
     // The row expires `ttl` after its transaction began (Postgres's `now()`), which
     // was after `begun`.
-    let left = options
-        .ttl
-        .saturating_sub(begun.elapsed().unwrap_or_default());
+    let left = options.ttl.saturating_sub(begun.elapsed());
     if !entry.response.body_omitted {
         shared.replays.fill(&scope, &entry, left).await;
     }
@@ -328,11 +330,16 @@ async fn existing(
             completed,
             trace_context,
         },
-        Verdict::Running(record) => idem_core::engine::in_progress(&record, false),
+        Verdict::Running(record) => engine::in_progress(&record, false),
     };
+    respond(shared, outcome)
+}
+
+/// The answer to an outcome decided without running the handler.
+fn respond(shared: &Shared, outcome: Outcome<Infallible>) -> Response {
     idem_http::answer(
         outcome,
-        shared.options.mismatch_status,
+        shared.settings.mismatch_status,
         None,
         |never: Infallible| match never {},
     )

@@ -57,15 +57,18 @@ pub use idem_postgres::migrate;
 pub use layer::{IdempotencyLayer, IdempotencyService};
 pub use tx::Tx;
 
-/// Where the tenant of a request comes from.
+/// Where the tenant of a request comes from. There is no default: a service chooses its
+/// source, and an [`Options`] without one cannot build an [`Idempotency`].
 #[derive(Clone)]
 pub enum TenantFrom {
     /// The bearer token, verified as the gateway does (`[auth]`).
     Jwt(Arc<Authenticator>),
     /// A header set by whatever authenticates requests before the service (its own
-    /// auth middleware, a proxy in front). Only for services that never take the header
-    /// from a client as it came: a client that could set it could read another tenant's
-    /// answers.
+    /// auth middleware, a proxy in front that overwrites it). **Only** for services that
+    /// never let a client's value through: a client that could set it could read another
+    /// tenant's stored answers by replaying that tenant's keys. Its value follows the
+    /// gateway's rules for a tenant (1 to 255 printable ASCII characters, no space); a
+    /// request without it, with it twice or with another value is 401.
     Header(HeaderName),
 }
 
@@ -91,30 +94,57 @@ impl TenantFrom {
                     (Some(value), None) => value
                         .to_str()
                         .ok()
-                        .filter(|t| !t.is_empty() && t.len() <= 255)
+                        .filter(|tenant| idem_auth::valid_tenant(tenant))
                         .map(str::to_owned)
-                        .ok_or_else(|| AuthError::TenantInvalid(name.to_string())),
-                    _ => Err(AuthError::TenantMissing(name.to_string())),
+                        .ok_or_else(|| AuthError::TenantHeaderInvalid(name.to_string())),
+                    (None, _) => Err(AuthError::TenantHeaderMissing(name.to_string())),
+                    (Some(_), Some(_)) => Err(AuthError::TenantHeaderInvalid(name.to_string())),
                 }
             }
         }
     }
 }
 
-/// How the layer treats requests. `Options::default()` reads the tenant from a trusted
-/// `X-Tenant-Id` header and takes `[idempotency]`'s defaults.
+/// An [`Options`] whose tenant source has not been chosen yet ([`Options::tenant`]).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct NoTenant;
+
+/// How the layer treats requests: `[idempotency]`'s defaults, and the tenant source the
+/// service chooses. Only an `Options<TenantFrom>` builds an [`Idempotency`]:
+///
+/// ```compile_fail
+/// # async fn no_tenant(pool: sqlx::PgPool) {
+/// // No tenant source: this does not compile, so no default can trust a header.
+/// let idem = idem_embedded::Idempotency::new(pool, idem_embedded::Options::default());
+/// # }
+/// ```
+///
+/// ```
+/// # async fn trusted_header(pool: sqlx::PgPool) {
+/// use idem_embedded::{Idempotency, Options, TenantFrom};
+/// // Behind the service's own authentication, which sets `x-org` and drops a client's.
+/// let tenant = TenantFrom::Header(http::HeaderName::from_static("x-org"));
+/// let idem = Idempotency::new(pool, Options::default().tenant(tenant));
+/// # }
+/// ```
 #[derive(Debug, Clone)]
-pub struct Options {
-    tenant: TenantFrom,
-    ttl: Duration,
-    lock_wait: Duration,
-    mismatch_status: u16,
-    max_body_bytes: usize,
-    body_read_timeout: Duration,
-    max_response_bytes: usize,
-    roll_back_on: StatusSet,
-    store_set_cookie: bool,
-    replay_memory: Bounds,
+pub struct Options<T = NoTenant> {
+    tenant: T,
+    settings: Settings,
+}
+
+/// Everything of [`Options`] but the tenant source.
+#[derive(Debug, Clone)]
+pub(crate) struct Settings {
+    pub(crate) ttl: Duration,
+    pub(crate) lock_wait: Duration,
+    pub(crate) mismatch_status: u16,
+    pub(crate) max_body_bytes: usize,
+    pub(crate) body_read_timeout: Duration,
+    pub(crate) max_response_bytes: usize,
+    pub(crate) roll_back_on: StatusSet,
+    pub(crate) store_set_cookie: bool,
+    pub(crate) replay_memory: Bounds,
 }
 
 impl Default for Options {
@@ -128,30 +158,46 @@ impl Options {
     /// `mismatch_status` (the rest is the gateway's own business).
     pub fn from_config(config: &IdempotencyConfig) -> Self {
         Self {
-            tenant: TenantFrom::Header(HeaderName::from_static("x-tenant-id")),
-            ttl: config.ttl,
-            lock_wait: config.lock_wait,
-            mismatch_status: config.mismatch_status,
-            max_body_bytes: 1 << 20,
-            body_read_timeout: Duration::from_secs(30),
-            max_response_bytes: 10 << 20,
-            roll_back_on: StatusSet::from_entries([StatusEntry::Class(5)]),
-            store_set_cookie: false,
-            replay_memory: Bounds {
-                entries: 10_000,
-                bytes: 64 << 20,
+            tenant: NoTenant,
+            settings: Settings {
+                ttl: config.ttl,
+                lock_wait: config.lock_wait,
+                mismatch_status: config.mismatch_status,
+                max_body_bytes: 1 << 20,
+                body_read_timeout: Duration::from_secs(30),
+                max_response_bytes: 10 << 20,
+                roll_back_on: default_roll_back_on(),
+                store_set_cookie: false,
+                replay_memory: Bounds {
+                    entries: 10_000,
+                    bytes: 64 << 20,
+                },
             },
         }
     }
+}
 
-    pub fn tenant(mut self, tenant: TenantFrom) -> Self {
-        self.tenant = tenant;
-        self
+/// Every 5xx, and the statuses that by HTTP's own semantics say the request was not
+/// processed (408, 425, 429: the ones the gateway releases) — also what a layer inside
+/// this one answers when it cuts a handler off (a timeout's 408, a rate limiter's 429).
+fn default_roll_back_on() -> StatusSet {
+    let mut statuses = idem_core::policy::default_release_statuses();
+    statuses.insert(StatusEntry::Class(5));
+    statuses
+}
+
+impl<T> Options<T> {
+    /// Where each request's tenant comes from.
+    pub fn tenant(self, tenant: TenantFrom) -> Options<TenantFrom> {
+        Options {
+            tenant,
+            settings: self.settings,
+        }
     }
 
     /// How long a completed key is replayed.
     pub fn ttl(mut self, ttl: Duration) -> Self {
-        self.ttl = ttl;
+        self.settings.ttl = ttl;
         self
     }
 
@@ -159,45 +205,45 @@ impl Options {
     /// answered 409 with `Retry-After`. It bounds every lock wait of the request's
     /// transaction, the handler's own too (Postgres's `lock_timeout`).
     pub fn lock_wait(mut self, wait: Duration) -> Self {
-        self.lock_wait = wait;
+        self.settings.lock_wait = wait;
         self
     }
 
     /// 409 (default) or 422 for a key reused with a different request.
     pub fn mismatch_status(mut self, status: u16) -> Self {
-        self.mismatch_status = status;
+        self.settings.mismatch_status = status;
         self
     }
 
     /// Larger request bodies get 413; nothing is claimed.
     pub fn max_body_bytes(mut self, limit: usize) -> Self {
-        self.max_body_bytes = limit;
+        self.settings.max_body_bytes = limit;
         self
     }
 
     /// Larger answers are committed without their body: retries get 410.
     pub fn max_response_bytes(mut self, limit: usize) -> Self {
-        self.max_response_bytes = limit;
+        self.settings.max_response_bytes = limit;
         self
     }
 
-    /// The statuses whose answers roll the transaction back (default: every 5xx): the
-    /// business write is undone and the key is free.
+    /// The statuses whose answers roll the transaction back (default: every 5xx, and
+    /// 408, 425 and 429): the business write is undone and the key is free.
     pub fn roll_back_on(mut self, statuses: StatusSet) -> Self {
-        self.roll_back_on = statuses;
+        self.settings.roll_back_on = statuses;
         self
     }
 
     /// Keep `Set-Cookie` in stored answers (replayed to whoever retries the key).
     pub fn store_set_cookie(mut self, store: bool) -> Self {
-        self.store_set_cookie = store;
+        self.settings.store_set_cookie = store;
         self
     }
 
     /// Completed answers held in this process for replays without a statement
     /// (`entries: 0` turns it off).
     pub fn replay_memory(mut self, bounds: Bounds) -> Self {
-        self.replay_memory = bounds;
+        self.settings.replay_memory = bounds;
         self
     }
 }
@@ -212,7 +258,8 @@ pub struct Idempotency {
 #[derive(Debug)]
 pub(crate) struct Shared {
     pub(crate) pool: PgPool,
-    pub(crate) options: Options,
+    pub(crate) tenant: TenantFrom,
+    pub(crate) settings: Settings,
     /// The statement that begins a request's transaction, with its lock wait.
     pub(crate) begin: String,
     pub(crate) replays: Local<NoCache>,
@@ -221,16 +268,18 @@ pub(crate) struct Shared {
 impl Idempotency {
     /// The records live in `pool`'s database, in the table the project's migrations
     /// create ([`migrate`]).
-    pub fn new(pool: PgPool, options: Options) -> Self {
+    pub fn new(pool: PgPool, options: Options<TenantFrom>) -> Self {
+        let Options { tenant, settings } = options;
         let begin = format!(
             "BEGIN; SET LOCAL lock_timeout = '{}ms'",
-            options.lock_wait.as_millis().max(1)
+            settings.lock_wait.as_millis().max(1)
         );
-        let replays = Local::new(NoCache, options.replay_memory);
+        let replays = Local::new(NoCache, settings.replay_memory);
         Self {
             shared: Arc::new(Shared {
                 pool,
-                options,
+                tenant,
+                settings,
                 begin,
                 replays,
             }),

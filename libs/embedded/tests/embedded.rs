@@ -73,9 +73,32 @@ async fn create_order(
         .into_response()
 }
 
+/// Layers a service may put between the idempotency layer and its handler, each cutting
+/// the handler off as such layers do: `x-rate-limited` answers 429 without running it;
+/// `x-timeout-ms` answers 408 once the handler has run that long (the handler's future is
+/// dropped before the answer leaves, as in a `tokio::time::timeout` middleware).
+async fn cut_off(request: axum::extract::Request, next: axum::middleware::Next) -> Response {
+    let headers = request.headers();
+    if headers.contains_key("x-rate-limited") {
+        return (StatusCode::TOO_MANY_REQUESTS, "slow down").into_response();
+    }
+    match headers
+        .get("x-timeout-ms")
+        .map(|ms| Duration::from_millis(ms.to_str().unwrap().parse().unwrap()))
+    {
+        Some(limit) => tokio::time::timeout(limit, next.run(request))
+            .await
+            .unwrap_or_else(|_| StatusCode::REQUEST_TIMEOUT.into_response()),
+        None => next.run(request).await,
+    }
+}
+
 /// Starts the service on a database of its own, or on `beside`'s (a second process of
 /// the same service).
-async fn service(options: impl FnOnce(Options) -> Options, beside: Option<&Service>) -> Service {
+async fn service(
+    options: impl FnOnce(Options<TenantFrom>) -> Options<TenantFrom>,
+    beside: Option<&Service>,
+) -> Service {
     let (db, url) = match beside {
         Some(other) => (None, other.db_url.clone()),
         None => {
@@ -110,7 +133,9 @@ async fn service(options: impl FnOnce(Options) -> Options, beside: Option<&Servi
     let idem = Idempotency::new(pool.clone(), options);
     let app = Router::new().route(
         "/orders",
-        post(create_order).route_layer(idem.layer("POST /orders")),
+        post(create_order)
+            .layer(axum::middleware::from_fn(cut_off))
+            .route_layer(idem.layer("POST /orders")),
     );
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let base = format!("http://{}", listener.local_addr().unwrap());
@@ -402,4 +427,119 @@ async fn tenants_do_not_share_keys() {
     assert!(!globex.replayed());
     assert_ne!(acme.body, globex.body);
     assert_eq!((svc.orders().await, svc.records().await), (2, 2));
+}
+
+/// A layer inside the idempotency layer that answers for the handler (a timeout's 408, a
+/// rate limiter's 429) leaves nothing: the handler's insert rolls back with the claim and
+/// a retry executes. (On d90d3dd the 408 was stored and the order committed behind it:
+/// "a timed-out handler's order, left: (1, 1), right: (0, 0)".)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_handler_cut_off_by_an_inner_layer_commits_nothing() {
+    let svc = service(|o| o, None).await;
+    let http = Http::default();
+    let timed_out = new_key();
+    let answer = http
+        .pay(&svc.url, "acme", &timed_out, &order(7))
+        .header("x-sleep-ms", "1000")
+        .header("x-timeout-ms", "200")
+        .send()
+        .await;
+    assert_eq!(answer.status, StatusCode::REQUEST_TIMEOUT);
+    assert_eq!(
+        (svc.orders().await, svc.records().await),
+        (0, 0),
+        "a timed-out handler's order"
+    );
+    let limited = new_key();
+    let answer = http
+        .pay(&svc.url, "acme", &limited, &order(7))
+        .header("x-rate-limited", "1")
+        .send()
+        .await;
+    assert_eq!(answer.status, StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(svc.records().await, 0, "a refused request's claim");
+    for key in [&timed_out, &limited] {
+        let retry = http.pay(&svc.url, "acme", key, &order(7)).send().await;
+        assert_eq!(retry.status, StatusCode::CREATED, "{:?}", retry.body);
+        assert!(!retry.replayed(), "the retry executes");
+    }
+    assert_eq!((svc.orders().await, svc.records().await), (2, 2));
+}
+
+/// A service behind its own authentication names the tenant in a header it sets: that
+/// header, and only it, is the tenant, under the gateway's rules for a tenant. (On
+/// d90d3dd a tenant with a space was accepted, and a missing header was reported as "the
+/// token carries no tenant in claim \"x-org\"".)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_trusted_tenant_header_names_the_tenant() {
+    let header = TenantFrom::Header(axum::http::HeaderName::from_static("x-org"));
+    let svc = service(|o| o.tenant(header), None).await;
+    let http = Http::default();
+    let key = new_key();
+    let send = |org: &[&str]| {
+        let mut call = http.post(&svc.url).key(&key).json(&order(7));
+        for org in org {
+            call = call.header("x-org", org);
+        }
+        call.send()
+    };
+    let acme = send(&["acme"]).await;
+    assert_eq!(acme.status, StatusCode::CREATED, "{:?}", acme.body);
+    let globex = send(&["globex"]).await;
+    assert_eq!(globex.status, StatusCode::CREATED);
+    assert!(
+        !globex.replayed(),
+        "another tenant's key is another operation"
+    );
+    assert!(send(&["acme"]).await.replayed());
+    // A bearer token names no tenant here: only the header does.
+    let token_only = http.pay(&svc.url, "acme", &key, &order(7)).send().await;
+    assert_eq!(token_only.status, StatusCode::UNAUTHORIZED);
+    assert!(
+        token_only.json()["detail"]
+            .as_str()
+            .unwrap()
+            .contains("header \"x-org\""),
+        "{}",
+        token_only.json()
+    );
+    for bad in [&["ac me"][..], &["acme", "globex"], &[""], &["ü"]] {
+        let refused = send(bad).await;
+        assert_eq!(refused.status, StatusCode::UNAUTHORIZED, "{bad:?}");
+        assert_eq!(refused.problem(), "unauthorized");
+    }
+    assert_eq!((svc.orders().await, svc.records().await), (2, 2));
+}
+
+/// A duplicate that waited on the first request's uncommitted claim measures the
+/// record's remaining life when it reads it, not when its transaction began: its process
+/// never replays the answer past the record's end. (On d90d3dd it read the expiry as long
+/// as its wait too many, and replayed a record that had expired: "a request after the
+/// record's end executes": it was replayed.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_duplicate_that_waited_never_replays_past_the_records_end() {
+    let svc = service(|o| o.ttl(Duration::from_secs(3)), None).await;
+    let http = Http::default();
+    let key = new_key();
+    let first = in_flight(
+        http.pay(&svc.url, "acme", &key, &order(7))
+            .header("x-sleep-ms", "2500")
+            .send(),
+        Duration::from_millis(200),
+    )
+    .await;
+    let duplicate = http.pay(&svc.url, "acme", &key, &order(7)).send().await;
+    let first = first.await.unwrap();
+    assert_eq!(first.status, StatusCode::CREATED);
+    assert!(duplicate.replayed(), "the duplicate waited, then replayed");
+    // The record ends 3 s after the first transaction began, about 0.5 s from now; a
+    // duplicate that took its own start for the read would keep it 2.8 s from now.
+    tokio::time::sleep(Duration::from_millis(1600)).await;
+    let later = http.pay(&svc.url, "acme", &key, &order(7)).send().await;
+    assert_eq!(later.status, StatusCode::CREATED);
+    assert!(
+        !later.replayed(),
+        "a request after the record's end executes"
+    );
+    assert_eq!(svc.orders().await, 2);
 }

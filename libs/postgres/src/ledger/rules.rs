@@ -68,7 +68,10 @@ macro_rules! owned_by_attempt {
     };
 }
 /// What the engine reads of a live row: a body only up to [`super::bodies::INLINE`]
-/// bytes (larger ones are read on their own, once per scope: [`super::bodies`]).
+/// bytes (larger ones are read on their own, once per scope: [`super::bodies`]). The
+/// row's remaining life is measured when it is read (`clock_timestamp()`), not when the
+/// transaction began (`now()`): a statement that waited on a row lock would otherwise
+/// give it as long as the wait too many.
 macro_rules! record_columns {
     () => {
         concat!(
@@ -80,7 +83,8 @@ macro_rules! record_columns {
                AS response_body, \
              octet_length(k.response_body) AS response_bytes, k.response_omitted, \
              k.trace_context, \
-             (extract(epoch from (k.expires_at - now())) * 1000)::float8 AS expires_in_ms, \
+             (extract(epoch from (k.expires_at - clock_timestamp())) * 1000)::float8 \
+               AS expires_in_ms, \
              ",
             $crate::ledger::rules::epoch_micros!("k.expires_at"),
             " AS expires_at_us"
