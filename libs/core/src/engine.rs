@@ -281,6 +281,7 @@ impl<L: Ledger, C: Cache> Engine<L, C> {
                     return Ok(self.execute(req, attempt, execute).await);
                 }
                 ClaimResult::Existing(record) => record,
+                ClaimResult::Locked => return Ok(locked_out(waited)),
             };
             let record = match self.answer_existing(req, record, claim_sent, waited).await {
                 Existing::Answered(outcome) => return Ok(outcome),
@@ -575,6 +576,17 @@ enum Waited {
     Current(Record, Instant),
     /// The record is gone: the first attempt gave the key up.
     Released,
+}
+
+/// A request's answer while another transaction holds its key uncommitted: in progress,
+/// soon over (such a transaction is bounded by its own lock wait or statement timeout).
+pub fn locked_out<R>(waited: bool) -> Outcome<R> {
+    Outcome::InProgress {
+        retry_after: RETRY_SOON,
+        trace_context: None,
+        waited,
+        outcome_unknown: false,
+    }
 }
 
 /// A retry's answer while `record` is in progress under another attempt: 409 soon, or

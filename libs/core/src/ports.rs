@@ -57,6 +57,10 @@ pub enum ClaimResult {
     Claimed,
     /// Another attempt owns (or owned) it.
     Existing(Record),
+    /// Another transaction holds the key uncommitted (an embedded-mode request still
+    /// running, or a claim still committing) past the ledger's lock wait: in progress,
+    /// with nothing to read of it yet.
+    Locked,
 }
 
 /// Whether a fenced write still held the claim.

@@ -39,7 +39,7 @@ use idem_core::{
 use idem_http::Problem;
 use idem_http::problem::NOT_EXECUTED;
 use idem_http::request::{idempotency_key, is_json, read_body};
-use idem_postgres::ledger::in_tx::{self, TxClaimError};
+use idem_postgres::ledger::in_tx;
 use idem_telemetry::failpoint;
 use tower_layer::Layer;
 use tower_service::Service;
@@ -195,13 +195,9 @@ where
             let verdict = Verdict::of(record, &fingerprint);
             return Ok(existing(shared, &scope, verdict, Some(read)).await);
         }
-        Err(TxClaimError::LockWait) => {
-            return Err(Problem::InProgress {
-                retry_after: std::time::Duration::from_secs(1),
-                outcome_unknown: false,
-            });
-        }
-        Err(TxClaimError::Ledger(error)) => return Err(unavailable(&scope, "claim", &error)),
+        // The first request's claim is still uncommitted after `lock_wait`.
+        Ok(ClaimResult::Locked) => return Ok(respond(shared, engine::locked_out(false))),
+        Err(error) => return Err(unavailable(&scope, "claim", &error)),
     }
 
     let slot = Slot::new(tx);

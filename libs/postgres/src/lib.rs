@@ -35,8 +35,18 @@ pub struct PoolSettings {
     /// `statement_timeout` on every connection: the server gives up on a statement
     /// that takes longer.
     pub statement_timeout: Duration,
+    /// `lock_timeout` on every connection: a statement that waits this long for a row
+    /// lock gives up (55P03). Every lock a gateway statement takes is held for one short
+    /// statement; only another transaction (an embedded-mode request, holding its key's
+    /// claim for as long as its handler runs) holds one longer, and a claim that meets it
+    /// is answered "in progress" rather than stalling every claim of its group.
+    pub lock_timeout: Duration,
     pub application_name: String,
 }
+
+/// The gateway's and the reconciler's lock wait ([`PoolSettings::lock_timeout`]): far
+/// longer than any lock they hold themselves, far shorter than a request's budget.
+pub const LOCK_TIMEOUT: Duration = Duration::from_millis(100);
 
 /// The gateway's pool, as `[postgres]` sets it; other processes change what differs
 /// (`PoolSettings { application_name: …, ..(&config.postgres).into() }`).
@@ -46,6 +56,7 @@ impl From<&idem_config::PostgresConfig> for PoolSettings {
             max_connections: postgres.max_connections,
             acquire_timeout: postgres.acquire_timeout,
             statement_timeout: postgres.statement_timeout,
+            lock_timeout: LOCK_TIMEOUT.min(postgres.statement_timeout),
             application_name: "idemgate".into(),
         }
     }
@@ -59,6 +70,10 @@ pub async fn connect(url: &str, settings: &PoolSettings) -> Result<PgPool, sqlx:
             (
                 "statement_timeout",
                 format!("{}ms", settings.statement_timeout.as_millis()),
+            ),
+            (
+                "lock_timeout",
+                format!("{}ms", settings.lock_timeout.as_millis().max(1)),
             ),
             // Every statement is prepared once per connection and then planned once
             // (generic plans): a claim for a batch of keys otherwise costs Postgres a fresh
@@ -111,7 +126,22 @@ const PING_SHARE_OF_ACQUIRE: u32 = 2;
 /// Applies pending migrations. Safe to run from several processes at once (the
 /// migrator takes an advisory lock).
 pub async fn migrate(pool: &PgPool) -> Result<(), sqlx::migrate::MigrateError> {
-    MIGRATOR.run(pool).await
+    let mut conn = pool.acquire().await?;
+    // Migrations wait for locks as DDL does (the advisory lock while another process
+    // migrates, a table's lock behind running statements), bounded by the statement
+    // timeout, not by the pool's short `lock_timeout`.
+    sqlx::query("SET lock_timeout = 0")
+        .execute(&mut *conn)
+        .await?;
+    let ran = MIGRATOR.run(&mut *conn).await;
+    if sqlx::query("RESET lock_timeout")
+        .execute(&mut *conn)
+        .await
+        .is_err()
+    {
+        conn.close_on_drop();
+    }
+    ran
 }
 
 /// A ledger call that did not finish in time.

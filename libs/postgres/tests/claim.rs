@@ -29,6 +29,7 @@ async fn a_live_claim_is_not_taken_over_and_the_claim_reads_the_existing_row() {
             );
         }
         ClaimResult::Claimed => panic!("a live claim must not be taken over"),
+        ClaimResult::Locked => panic!("no other transaction holds the row"),
     }
     assert!(
         ledger

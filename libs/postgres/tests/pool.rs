@@ -32,6 +32,7 @@ async fn an_idle_connection_gone_silent_is_replaced_within_the_acquire_timeout()
         max_connections: 2,
         acquire_timeout: Duration::from_secs(2),
         statement_timeout: Duration::from_secs(2),
+        lock_timeout: idem_postgres::LOCK_TIMEOUT,
         application_name: "pool-test".into(),
     };
     let pool = idem_postgres::connect(&url, &settings).await.unwrap();
@@ -70,6 +71,7 @@ async fn a_connection_cut_while_idle_is_replaced_before_a_request_uses_it() {
             max_connections: 1,
             acquire_timeout: Duration::from_secs(5),
             statement_timeout: Duration::from_secs(5),
+            lock_timeout: idem_postgres::LOCK_TIMEOUT,
             application_name: "idle-ping-test".into(),
         },
     )

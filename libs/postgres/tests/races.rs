@@ -111,6 +111,7 @@ async fn concurrent_replays_of_a_large_answer_share_one_copy_of_its_body() {
                     match claim(&ledger, &scope, Duration::from_secs(30)).await.1 {
                         ClaimResult::Existing(record) => record,
                         ClaimResult::Claimed => panic!("a completed key was claimed again"),
+                        ClaimResult::Locked => panic!("no other transaction holds the row"),
                     }
                 } else {
                     ledger.get(&scope).await.unwrap().expect("the row")

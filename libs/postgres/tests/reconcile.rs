@@ -101,6 +101,7 @@ async fn an_in_progress_row_never_expires_and_is_never_purged() {
     match again {
         ClaimResult::Existing(record) => assert_eq!(record.attempt, attempt),
         ClaimResult::Claimed => panic!("an in-progress row past its TTL was taken over"),
+        ClaimResult::Locked => panic!("no other transaction holds the row"),
     }
     assert!(ledger.get(&scope).await.unwrap().is_some());
     assert_eq!(ledger.count_held().await.unwrap(), 1);

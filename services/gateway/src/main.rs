@@ -326,6 +326,7 @@ async fn admin_pool(config: &Config) -> anyhow::Result<sqlx::PgPool> {
         &idem_postgres::PoolSettings {
             max_connections: 1,
             statement_timeout: ADMIN_TIMEOUT,
+            lock_timeout: ADMIN_TIMEOUT,
             application_name: "idemgate-admin".into(),
             ..(&config.postgres).into()
         },

@@ -237,3 +237,89 @@ async fn readiness_probes_do_not_reach_postgres() {
         "{sent} bytes went to Postgres for 300 readiness probes"
     );
 }
+
+// On d90d3dd: a gateway claim of a key that an embedded-mode transaction held uncommitted
+// waited in its group statement until `statement_timeout`, and was answered 503 (the
+// claims batched with it waited as long): "the held key: left: 503, right: 409".
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_held_by_an_uncommitted_embedded_claim_is_in_progress_and_others_go_on() {
+    let db = TestDb::create().await;
+    let demo = Demo::start(&db).await;
+    let gw = GatewayProcess::start(&TestConfig::new(&db).payments(&demo, |r| r).toml()).await;
+    let http = Http::default();
+    // Embedded mode's claim of acme's key, on a transaction that stays open (its handler
+    // still running).
+    let key = new_key();
+    let scope = idem_core::Scope::new(
+        "acme",
+        "POST /payments",
+        idem_core::IdempotencyKey::parse(key.as_bytes()).unwrap(),
+    );
+    let fingerprint =
+        idem_core::Fingerprint::compute("POST", "/payments", idem_core::BodyKind::Raw, b"")
+            .unwrap();
+    let mut embedded = db.connect().await;
+    sqlx::query("BEGIN").execute(&mut embedded).await.unwrap();
+    let claimed = idem_postgres::ledger::in_tx::claim(
+        &mut embedded,
+        &idem_core::Claim {
+            scope: &scope,
+            fingerprint: &fingerprint,
+            attempt: idem_core::AttemptId::random(),
+            lease: Duration::from_secs(30),
+            ttl: Duration::from_secs(60),
+            trace_context: None,
+        },
+    )
+    .await
+    .unwrap();
+    assert!(matches!(claimed, idem_core::ClaimResult::Claimed));
+
+    // The held key, among other tenants' new keys sent at the same moment.
+    let held = tokio::spawn(
+        http.pay(&gw.url("/payments"), "acme", &key, &payment("o-held", 5))
+            .send(),
+    );
+    let others: Vec<_> = (0..20)
+        .map(|i| {
+            let call = http.pay(
+                &gw.url("/payments"),
+                "globex",
+                &new_key(),
+                &payment(&format!("o-{i}"), 1),
+            );
+            tokio::spawn(call.send())
+        })
+        .collect();
+    let held = held.await.unwrap();
+    assert_eq!(
+        held.status,
+        StatusCode::CONFLICT,
+        "the held key: {:?}",
+        held.body
+    );
+    assert_eq!(held.problem(), "idempotency-key-in-progress");
+    assert_eq!(held.json()["operation_state"], "in_progress");
+    assert!(held.header("retry-after").is_some());
+    for other in others {
+        let other = other.await.unwrap();
+        assert_eq!(
+            other.status,
+            StatusCode::CREATED,
+            "another tenant's new key: {:?}",
+            other.body
+        );
+    }
+
+    // The embedded request rolls back: the key is free, and the gateway executes it once.
+    sqlx::query("ROLLBACK")
+        .execute(&mut embedded)
+        .await
+        .unwrap();
+    let retry = http
+        .pay(&gw.url("/payments"), "acme", &key, &payment("o-held", 5))
+        .send()
+        .await;
+    assert_eq!(retry.status, StatusCode::CREATED);
+    assert_eq!(db.executions("demo_payments", "acme", &key).await, 1);
+}

@@ -149,8 +149,12 @@ impl ClaimRow {
             .bind(self.trace_context.as_deref())
             .bind(self.ttl_ms)
             .fetch_one(conn)
-            .await?;
-        Ok(claim_outcome(&answer))
+            .await;
+        match answer {
+            Ok(answer) => Ok(claim_outcome(&answer)),
+            Err(error) if super::lock_not_available(&error) => Ok(Ok(Some(Seen::Locked))),
+            Err(error) => Err(error),
+        }
     }
 }
 
@@ -161,6 +165,8 @@ pub(crate) enum Seen {
     Claimed,
     /// The live row (another attempt's).
     Row(Found),
+    /// Another transaction held the row locked past the connection's `lock_timeout`.
+    Locked,
 }
 
 /// Claims, grouped: [`CLAIM_SQL`] over arrays, one element per claim.
@@ -185,7 +191,7 @@ impl Batch for Claims {
         conn: &mut PgConnection,
         rows: &[&ClaimRow],
     ) -> Result<Vec<Self::Outcome>, sqlx::Error> {
-        let answers = sqlx::query(CLAIM_SQL)
+        let answered = sqlx::query(CLAIM_SQL)
             .bind(column(rows, |r| r.scope.tenant.as_str()))
             .bind(column(rows, |r| r.scope.endpoint.as_str()))
             .bind(column(rows, |r| r.scope.key.as_str()))
@@ -195,7 +201,16 @@ impl Batch for Claims {
             .bind(column(rows, |r| r.trace_context.as_deref()))
             .bind(column(rows, |r| r.ttl_ms))
             .fetch_all(conn)
-            .await?;
+            .await;
+        let answers = match answered {
+            // One claim waited `lock_timeout` on its row: another transaction holds the
+            // key uncommitted. (A statement of several rows is refused whole and its rows
+            // go again one by one, so only the locked key's request is told.)
+            Err(error) if rows.len() == 1 && super::lock_not_available(&error) => {
+                return Ok(vec![Ok(Some(Seen::Locked))]);
+            }
+            answered => answered?,
+        };
         Ok(answers.iter().map(claim_outcome).collect())
     }
 

@@ -24,27 +24,16 @@ use super::claim::{ClaimRow, Seen};
 use super::complete::CompleteRow;
 use super::{CLAIM_ROUNDS, bodies};
 
-/// Why a claim on a transaction did not come to a record.
-#[derive(Debug, thiserror::Error)]
-pub enum TxClaimError {
-    /// Another transaction's claim of the scope was still uncommitted when the
-    /// transaction's `lock_timeout` ran out. The transaction is aborted.
-    #[error("another request's claim of this key did not commit or roll back within the lock wait")]
-    LockWait,
-    #[error(transparent)]
-    Ledger(#[from] LedgerError),
-}
-
 /// Claims `claim.scope` on `conn` (inside a transaction): this attempt owns the key until
-/// the transaction ends, or the live record is returned.
-pub async fn claim(
-    conn: &mut PgConnection,
-    claim: &Claim<'_>,
-) -> Result<ClaimResult, TxClaimError> {
+/// the transaction ends, or the live record is returned, or [`ClaimResult::Locked`]:
+/// another transaction's claim of the scope was still uncommitted when the transaction's
+/// `lock_timeout` ran out (the transaction is then aborted).
+pub async fn claim(conn: &mut PgConnection, claim: &Claim<'_>) -> Result<ClaimResult, LedgerError> {
     let row = ClaimRow::of(claim);
     for _ in 0..CLAIM_ROUNDS {
-        match row.write_one(conn).await.map_err(lock_wait)?? {
+        match row.write_one(conn).await.map_err(LedgerError::new)?? {
             Some(Seen::Claimed) => return Ok(ClaimResult::Claimed),
+            Some(Seen::Locked) => return Ok(ClaimResult::Locked),
             Some(Seen::Row(found)) => {
                 let mut record = found.record;
                 if found.body_to_read.is_some() {
@@ -69,7 +58,7 @@ pub async fn claim(
             None => continue,
         }
     }
-    Err(LedgerError::new(crate::Contended).into())
+    Err(LedgerError::new(crate::Contended))
 }
 
 /// Records the answer of `attempt` on `conn`, in the transaction that claimed it.
@@ -85,16 +74,6 @@ pub async fn complete(
         .write_one(conn)
         .await
         .map_err(LedgerError::new)
-}
-
-/// `lock_not_available`: the statement waited `lock_timeout` for a lock.
-const LOCK_NOT_AVAILABLE: &str = "55P03";
-
-fn lock_wait(error: sqlx::Error) -> TxClaimError {
-    match error.as_database_error().and_then(|e| e.code()) {
-        Some(code) if code == LOCK_NOT_AVAILABLE => TxClaimError::LockWait,
-        _ => TxClaimError::Ledger(LedgerError::new(error)),
-    }
 }
 
 /// Whether a failed commit surely changed nothing: Postgres answered it with an error,

@@ -281,6 +281,7 @@ impl PgLedger {
             .await??;
         let found = match seen {
             Some(Seen::Claimed) => return Ok(Some(ClaimResult::Claimed)),
+            Some(Seen::Locked) => return Ok(Some(ClaimResult::Locked)),
             Some(Seen::Row(found)) => Some(found),
             None => self.read(c.scope).await?,
         };
@@ -346,4 +347,13 @@ fn millis(d: Duration) -> f64 {
 /// One array parameter: a field of every row.
 fn column<'r, R, T>(rows: &[&'r R], field: impl Fn(&'r R) -> T) -> Vec<T> {
     rows.iter().map(|row| field(row)).collect()
+}
+
+/// Whether a statement failed with `lock_not_available` (55P03): it waited the
+/// connection's `lock_timeout` for a row lock another transaction held.
+fn lock_not_available(error: &sqlx::Error) -> bool {
+    error
+        .as_database_error()
+        .and_then(|e| e.code())
+        .is_some_and(|code| code == "55P03")
 }
