@@ -22,6 +22,7 @@ use crate::ports::{
 };
 use crate::record::{AttemptId, Record, RecordState, StoredResponse};
 use crate::scope::Scope;
+use crate::verdict::{Decision, RETRY_SOON, Verdict, cached, in_progress, locked_out, replayed};
 
 /// The attempt that won the claim, as handed to the upstream call.
 ///
@@ -138,10 +139,6 @@ impl<R> Outcome<R> {
     }
 }
 
-/// `Retry-After` while the first attempt is within its lease.
-const RETRY_SOON: Duration = Duration::from_secs(1);
-/// `Retry-After` once the lease has run out and the reconciler has the row.
-const RETRY_LATER: Duration = Duration::from_secs(5);
 /// How often a released key may be re-claimed within one request.
 const MAX_CLAIM_ROUNDS: usize = 3;
 /// A cache lock younger than this turns a duplicate away without asking the ledger.
@@ -154,24 +151,6 @@ const MAX_POLL: Duration = Duration::from_millis(200);
 /// The first pause before a failed completion is repeated; it doubles up to the next.
 const FIRST_COMPLETION_RETRY: Duration = Duration::from_millis(25);
 const MAX_COMPLETION_RETRY: Duration = Duration::from_secs(1);
-
-/// A cached completed response answers a request: a replay if it is the same request,
-/// a mismatch otherwise.
-fn cached<R>(entry: CacheEntry, fingerprint: &Fingerprint) -> Outcome<R> {
-    if entry.fingerprint == *fingerprint {
-        Outcome::Replayed {
-            response: entry.response,
-            trace_context: entry.trace_context,
-            waited: false,
-            expires_at: entry.expires_at,
-        }
-    } else {
-        Outcome::Mismatch {
-            trace_context: entry.trace_context,
-            completed: true,
-        }
-    }
-}
 
 /// Drives requests through a ledger and a cache.
 #[derive(Debug, Clone)]
@@ -320,30 +299,19 @@ impl<L: Ledger, C: Cache> Engine<L, C> {
         read: Instant,
         waited: bool,
     ) -> Existing<R> {
-        match Verdict::of(record, req.fingerprint) {
-            Verdict::Replay { entry, expires_in } => {
-                if let Some(left) = expires_in {
-                    // Never let the cached copy outlive the row.
-                    let ttl = left.saturating_sub(read.elapsed());
-                    if !ttl.is_zero() {
-                        self.cache.fill(req.scope, &entry, ttl).await;
-                    }
+        match Verdict::of(record, req.fingerprint).decide(read.elapsed(), waited) {
+            Decision::Replay {
+                entry,
+                keep_for,
+                waited,
+            } => {
+                if let Some(ttl) = keep_for {
+                    self.cache.fill(req.scope, &entry, ttl).await;
                 }
-                Existing::Answered(Outcome::Replayed {
-                    response: entry.response,
-                    trace_context: entry.trace_context,
-                    waited,
-                    expires_at: entry.expires_at,
-                })
+                Existing::Answered(replayed(entry, waited))
             }
-            Verdict::Mismatch {
-                completed,
-                trace_context,
-            } => Existing::Answered(Outcome::Mismatch {
-                completed,
-                trace_context,
-            }),
-            Verdict::Running(record) => Existing::Running(record),
+            Decision::Answer(outcome) => Existing::Answered(outcome),
+            Decision::Running(record) => Existing::Running(record),
         }
     }
 
@@ -520,49 +488,6 @@ impl<L: Ledger, C: Cache> Engine<L, C> {
     }
 }
 
-/// What a live record found for a request means, decided without I/O: the same for the
-/// engine and for embedded mode (`idem-embedded`), which finds records its own way.
-#[derive(Debug)]
-pub enum Verdict {
-    /// A completed operation of this same request: replay it. `expires_in` is how long
-    /// the record still lives, as read.
-    Replay {
-        entry: CacheEntry,
-        expires_in: Option<Duration>,
-    },
-    /// The key was used for another request, whose operation is `completed` (or else
-    /// still in progress).
-    Mismatch {
-        completed: bool,
-        trace_context: Option<String>,
-    },
-    /// The same request, still in progress under another attempt.
-    Running(Box<Record>),
-}
-
-impl Verdict {
-    pub fn of(record: Record, fingerprint: &Fingerprint) -> Self {
-        if record.fingerprint != *fingerprint {
-            return Self::Mismatch {
-                completed: matches!(record.state, RecordState::Completed(_)),
-                trace_context: record.trace_context,
-            };
-        }
-        match record.state {
-            RecordState::Completed(response) => Self::Replay {
-                entry: CacheEntry {
-                    fingerprint: record.fingerprint,
-                    response,
-                    trace_context: record.trace_context,
-                    expires_at: record.expires_at,
-                },
-                expires_in: record.expires_in,
-            },
-            RecordState::InProgress { .. } => Self::Running(Box::new(record)),
-        }
-    }
-}
-
 /// What an existing record means for a request: an answer now, or still running.
 enum Existing<R> {
     Answered(Outcome<R>),
@@ -576,36 +501,4 @@ enum Waited {
     Current(Record, Instant),
     /// The record is gone: the first attempt gave the key up.
     Released,
-}
-
-/// A request's answer while another transaction holds its key uncommitted: in progress,
-/// soon over (such a transaction is bounded by its own lock wait or statement timeout).
-pub fn locked_out<R>(waited: bool) -> Outcome<R> {
-    Outcome::InProgress {
-        retry_after: RETRY_SOON,
-        trace_context: None,
-        waited,
-        outcome_unknown: false,
-    }
-}
-
-/// A retry's answer while `record` is in progress under another attempt: 409 soon, or
-/// later once its lease has run out and the outcome is unknown.
-pub fn in_progress<R>(record: &Record, waited: bool) -> Outcome<R> {
-    let lease_expired = matches!(
-        record.state,
-        RecordState::InProgress {
-            lease_expired: true
-        }
-    );
-    Outcome::InProgress {
-        retry_after: if lease_expired {
-            RETRY_LATER
-        } else {
-            RETRY_SOON
-        },
-        trace_context: record.trace_context.clone(),
-        waited,
-        outcome_unknown: lease_expired,
-    }
 }

@@ -8,6 +8,8 @@
 //! - [`policy`]: per-route TTL, lease, wait, and what an upstream answer means
 //!   ([`policy::Disposition`]: keep, release or uncertain).
 //! - [`ports`]: the [`Ledger`] and [`Cache`] traits that the storage adapters implement.
+//! - [`verdict`]: what an existing record answers (replay, mismatch, in progress), the
+//!   decision the engine and embedded mode share.
 //! - [`engine`]: claim → execute → complete/release over those two.
 //! - [`local`]: a bounded in-process cache of completed responses over another cache.
 //! - [`reconcile`]: what the reconciler does with a key whose outcome is unknown.
@@ -23,8 +25,9 @@ pub mod ports;
 pub mod reconcile;
 pub mod record;
 pub mod scope;
+pub mod verdict;
 
-pub use engine::{Attempt, Engine, Execution, Outcome, Request, UnknownCause, Verdict};
+pub use engine::{Attempt, Engine, Execution, Outcome, Request, UnknownCause};
 pub use fingerprint::{BodyKind, Fingerprint};
 pub use key::{IdempotencyKey, KeyError};
 pub use policy::{Disposition, OnInProgress, Policy, StatusSet};
@@ -34,3 +37,4 @@ pub use ports::{
 };
 pub use record::{AttemptId, Record, RecordState, StoredResponse};
 pub use scope::Scope;
+pub use verdict::Verdict;

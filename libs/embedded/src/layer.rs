@@ -32,13 +32,13 @@ use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
 use http::{HeaderValue, header};
 use http_body_util::BodyExt;
+use idem_core::verdict::{self, Decision};
 use idem_core::{
-    AttemptId, BodyKind, Cache, CacheEntry, Claim, ClaimResult, Completed, Fingerprint, Outcome,
-    Scope, Verdict, engine,
+    AttemptId, Cache, CacheEntry, Claim, ClaimResult, Completed, Outcome, Scope, Verdict,
 };
 use idem_http::Problem;
 use idem_http::problem::NOT_EXECUTED;
-use idem_http::request::{idempotency_key, is_json, read_body};
+use idem_http::request::{idempotency_key, read_body};
 use idem_postgres::ledger::in_tx;
 use idem_telemetry::failpoint;
 use tower_layer::Layer;
@@ -138,32 +138,11 @@ where
         options.body_read_timeout,
     )
     .await?;
-    let kind = if is_json(&parts.headers) {
-        BodyKind::Json
-    } else {
-        BodyKind::Raw
-    };
-    let target = parts.uri.path_and_query().map_or("/", |pq| pq.as_str());
-    let fingerprint = fingerprint(parts.method.as_str(), target, kind, &body)
-        .await
-        .map_err(|why| {
-            Problem::RequestInvalid(format!("the body is not acceptable JSON: {why}"))
-        })?;
+    let fingerprint = shared.fingerprints.of_request(&parts, &body, ()).await?;
     let scope = Scope::new(tenant, endpoint, key);
 
-    if let Some((entry, left)) = shared.replays.get(&scope) {
-        let verdict = if entry.fingerprint == fingerprint {
-            Verdict::Replay {
-                entry,
-                expires_in: Some(left),
-            }
-        } else {
-            Verdict::Mismatch {
-                completed: true,
-                trace_context: entry.trace_context,
-            }
-        };
-        return Ok(existing(shared, &scope, verdict, None).await);
+    if let Some((entry, _)) = shared.replays.get(&scope) {
+        return Ok(respond(shared, verdict::cached(entry, &fingerprint)));
     }
 
     let begun = tokio::time::Instant::now();
@@ -193,10 +172,10 @@ where
         Ok(ClaimResult::Existing(record)) => {
             drop(tx);
             let verdict = Verdict::of(record, &fingerprint);
-            return Ok(existing(shared, &scope, verdict, Some(read)).await);
+            return Ok(existing(shared, &scope, verdict, read).await);
         }
         // The first request's claim is still uncommitted after `lock_wait`.
-        Ok(ClaimResult::Locked) => return Ok(respond(shared, engine::locked_out(false))),
+        Ok(ClaimResult::Locked) => return Ok(respond(shared, verdict::locked_out(false))),
         Err(error) => return Err(unavailable(&scope, "claim", &error)),
     }
 
@@ -277,56 +256,29 @@ where
     Ok(response)
 }
 
-/// Bodies larger than this are fingerprinted on the blocking pool, as at the gateway:
-/// canonical JSON costs milliseconds per MiB, too long for an async worker.
-const FINGERPRINT_INLINE_UP_TO: usize = 32 * 1024;
-
-async fn fingerprint(
-    method: &str,
-    target: &str,
-    kind: BodyKind,
-    body: &Bytes,
-) -> Result<Fingerprint, idem_core::canonical::JsonError> {
-    if body.len() <= FINGERPRINT_INLINE_UP_TO {
-        return Fingerprint::compute(method, target, kind, body);
-    }
-    let (method, target, body) = (method.to_owned(), target.to_owned(), body.clone());
-    tokio::task::spawn_blocking(move || Fingerprint::compute(&method, &target, kind, &body))
-        .await
-        .expect("fingerprinting never panics")
-}
-
-/// What a live record (from the claim, or held in this process) answers. `read`: when
-/// the statement that read it was answered, to hold a copy no longer than the row lives.
+/// What a live record found by the claim answers. `read`: when the statement that read
+/// it was answered, to hold a copy no longer than the row lives.
 async fn existing(
     shared: &Shared,
     scope: &Scope,
     verdict: Verdict,
-    read: Option<tokio::time::Instant>,
+    read: tokio::time::Instant,
 ) -> Response {
-    let outcome = match verdict {
-        Verdict::Replay { entry, expires_in } => {
-            if let (Some(read), Some(left)) = (read, expires_in) {
-                let left = left.saturating_sub(read.elapsed());
-                if !left.is_zero() && !entry.response.body_omitted {
-                    shared.replays.fill(scope, &entry, left).await;
-                }
+    let outcome = match verdict.decide(read.elapsed(), false) {
+        Decision::Replay {
+            entry,
+            keep_for,
+            waited,
+        } => {
+            if let Some(left) = keep_for
+                && !entry.response.body_omitted
+            {
+                shared.replays.fill(scope, &entry, left).await;
             }
-            Outcome::<Infallible>::Replayed {
-                response: entry.response,
-                trace_context: entry.trace_context,
-                waited: false,
-                expires_at: entry.expires_at,
-            }
+            verdict::replayed(entry, waited)
         }
-        Verdict::Mismatch {
-            completed,
-            trace_context,
-        } => Outcome::Mismatch {
-            completed,
-            trace_context,
-        },
-        Verdict::Running(record) => engine::in_progress(&record, false),
+        Decision::Answer(outcome) => outcome,
+        Decision::Running(record) => verdict::in_progress(&record, false),
     };
     respond(shared, outcome)
 }

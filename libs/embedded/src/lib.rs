@@ -263,6 +263,7 @@ pub(crate) struct Shared {
     /// The statement that begins a request's transaction, with its lock wait.
     pub(crate) begin: String,
     pub(crate) replays: Local<NoCache>,
+    pub(crate) fingerprints: idem_http::Fingerprinter,
 }
 
 impl Idempotency {
@@ -282,6 +283,7 @@ impl Idempotency {
                 settings,
                 begin,
                 replays,
+                fingerprints: idem_http::Fingerprinter::default(),
             }),
         }
     }

@@ -4,14 +4,17 @@
 //! # Layout
 //! - [`problem`]: every error response, as `application/problem+json`.
 //! - [`request`]: reading the bearer token, the key header and the body.
+//! - [`fingerprint`]: the request's fingerprint, large bodies off the async workers.
 //! - [`answer`]: an engine outcome as the client's response; replays; expiry.
 #![forbid(unsafe_code)]
 
 pub mod answer;
+pub mod fingerprint;
 pub mod problem;
 pub mod request;
 
 pub use answer::{IDEMPOTENCY_EXPIRES, answer, replay, set_expires};
+pub use fingerprint::Fingerprinter;
 pub use problem::Problem;
 
 /// What a request came to: `executed`, `replayed`, … from the engine, `proxied` on a

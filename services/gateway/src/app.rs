@@ -43,9 +43,8 @@ pub struct AppState {
     pub body_read_timeout: Duration,
     /// Head size and requests in flight (see [`crate::limits`]).
     pub limits: RequestLimits,
-    /// Slots for CPU-heavy work on the blocking pool (fingerprints of large bodies):
-    /// one per CPU.
-    pub cpu: Arc<tokio::sync::Semaphore>,
+    /// Fingerprints of large bodies, off the async workers and bounded.
+    pub fingerprints: idem_http::Fingerprinter,
     /// Forward-and-store tasks, awaited on shutdown.
     pub tasks: TaskTracker,
     /// Completions that lost the fence (the reconciler resolved the row first).
@@ -154,10 +153,6 @@ impl Application {
         };
         let op_timeout = config.postgres.op_timeout();
         let server = &config.server;
-        // Large-body fingerprints run on at most all cores but one, so however many
-        // arrive at once, the request threads keep a core for everyone else's I/O.
-        let cpus = std::thread::available_parallelism().map_or(1, usize::from);
-        let cpu_heavy = cpus.saturating_sub(1).max(1);
         let ledger =
             PgLedger::with_replay_budget(pool, op_timeout, server.max_replay_bytes_in_flight);
         let stored = ledger
@@ -188,7 +183,7 @@ impl Application {
                 server.max_headers,
                 server.max_concurrent_requests,
             ),
-            cpu: Arc::new(tokio::sync::Semaphore::new(cpu_heavy)),
+            fingerprints: idem_http::Fingerprinter::default(),
             tasks: TaskTracker::new(),
             fenced: Default::default(),
             unrecorded: Default::default(),

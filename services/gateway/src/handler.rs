@@ -13,10 +13,7 @@ use bytes::Bytes;
 use http::request::Parts;
 use http_body_util::Full;
 use idem_config::Route;
-use idem_core::{
-    Attempt, AttemptId, BodyKind, Execution, Fingerprint, IdempotencyKey, Outcome, Scope,
-    UnknownCause,
-};
+use idem_core::{Attempt, AttemptId, Execution, IdempotencyKey, Outcome, Scope, UnknownCause};
 use idem_telemetry::metrics::{gauge, histogram};
 use idem_telemetry::propagation;
 use idem_upstream::headers as h;
@@ -26,7 +23,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, Span};
 
 use crate::app::AppState;
-use crate::extract::{Key, Matched, Tenant, is_json, read_body};
+use crate::extract::{Key, Matched, Tenant, read_body};
 use crate::limits::Slot;
 use crate::observe::{self, Endpoint};
 use crate::problem::Problem;
@@ -98,17 +95,10 @@ async fn serve(
         };
         return Ok((axum::Extension(observe::Outcome("proxied")), response).into_response());
     };
-    let target = parts.uri.path_and_query().map_or("/", |pq| pq.as_str());
-    let kind = if is_json(&parts.headers) {
-        BodyKind::Json
-    } else {
-        BodyKind::Raw
-    };
-    let fingerprint = fingerprint(&app, &slot, parts.method.as_str(), target, kind, &body)
-        .await
-        .map_err(|why| {
-            Problem::RequestInvalid(format!("the body is not acceptable JSON: {why}"))
-        })?;
+    let fingerprint = app
+        .fingerprints
+        .of_request(&parts, &body, slot.clone())
+        .await?;
     let wait = policy.wait_for(h::preferred_wait(&parts.headers));
     let scope = Scope::new(tenant.clone(), route.endpoint.clone(), key.clone());
     let span = Span::current();
@@ -230,42 +220,6 @@ fn client_traceparent(headers: &http::HeaderMap) -> Option<String> {
             .map(str::to_owned),
         _ => None,
     }
-}
-
-/// Bodies larger than this are fingerprinted on the blocking pool: canonical JSON costs
-/// roughly 2-4 ms of CPU per MiB (loadtest/bench), long enough on an async worker to
-/// delay every other request's I/O behind it. Smaller bodies cost tens of microseconds
-/// and are done in place.
-const FINGERPRINT_INLINE_UP_TO: usize = 32 * 1024;
-
-/// The request's fingerprint; large bodies off the async workers, on at most all cores
-/// but one at a time (so a flood of large bodies queues here, not on the workers).
-async fn fingerprint(
-    app: &AppState,
-    slot: &Option<Slot>,
-    method: &str,
-    target: &str,
-    kind: BodyKind,
-    body: &Bytes,
-) -> Result<Fingerprint, idem_core::canonical::JsonError> {
-    if body.len() <= FINGERPRINT_INLINE_UP_TO {
-        return Fingerprint::compute(method, target, kind, body);
-    }
-    let permit = app
-        .cpu
-        .clone()
-        .acquire_owned()
-        .await
-        .expect("the CPU pool is never closed");
-    let (method, target, body) = (method.to_owned(), target.to_owned(), body.clone());
-    let slot = slot.clone();
-    tokio::task::spawn_blocking(move || {
-        // Held by the work itself, so a client that hangs up frees no slot early.
-        let (_permit, _slot) = (permit, slot);
-        Fingerprint::compute(&method, &target, kind, &body)
-    })
-    .await
-    .expect("fingerprinting never panics")
 }
 
 /// The engine's upstream call for the attempt that won the claim.
