@@ -137,6 +137,17 @@ impl<R> Outcome<R> {
             Outcome::Unknown(_) | Outcome::Uncertain(_) => "unknown",
         }
     }
+
+    /// The stored trace context of the execution this answer is about, when it is not
+    /// this request's own (a replay, a mismatch, a 409 in progress): its span links there.
+    pub fn first_execution(&self) -> Option<&str> {
+        match self {
+            Outcome::Replayed { trace_context, .. }
+            | Outcome::Mismatch { trace_context, .. }
+            | Outcome::InProgress { trace_context, .. } => trace_context.as_deref(),
+            _ => None,
+        }
+    }
 }
 
 /// How often a released key may be re-claimed within one request.

@@ -40,9 +40,10 @@ use idem_http::Problem;
 use idem_http::problem::NOT_EXECUTED;
 use idem_http::request::{idempotency_key, read_body};
 use idem_postgres::ledger::in_tx;
-use idem_telemetry::failpoint;
+use idem_telemetry::{failpoint, propagation};
 use tower_layer::Layer;
 use tower_service::Service;
+use tracing::{Instrument, Span};
 
 use crate::Shared;
 use crate::tx::Slot;
@@ -103,11 +104,18 @@ where
         let inner = std::mem::replace(&mut self.inner, clone);
         let shared = self.shared.clone();
         let endpoint = self.endpoint.clone();
-        Box::pin(async move {
-            Ok(serve(&shared, &endpoint, inner, request)
-                .await
-                .unwrap_or_else(|problem| problem.into_response()))
-        })
+        let span =
+            propagation::request_span(request.method(), request.uri().path(), request.headers());
+        Box::pin(
+            async move {
+                let response = serve(&shared, &endpoint, inner, request)
+                    .await
+                    .unwrap_or_else(|problem| problem.into_response());
+                Span::current().record("http.response.status_code", response.status().as_u16());
+                Ok(response)
+            }
+            .instrument(span),
+        )
     }
 }
 
@@ -128,9 +136,13 @@ where
         .of(&parts.headers)
         .await
         .map_err(Problem::Unauthorized)?;
+    let span = Span::current();
+    span.record("tenant.id", tenant.as_str());
+    span.record("idempotency.endpoint", endpoint);
     let key = idempotency_key(&parts.headers)
         .map_err(Problem::KeyInvalid)?
         .ok_or(Problem::KeyMissing)?;
+    span.record("idempotency.key", key.as_str());
     let body = read_body(
         body,
         &parts.headers,
@@ -140,6 +152,8 @@ where
     .await?;
     let fingerprint = shared.fingerprints.of_request(&parts, &body, ()).await?;
     let scope = Scope::new(tenant, endpoint, key);
+    // Stored with the record, so retries link to this execution's span.
+    let trace_context = propagation::trace_context(&span, &parts.headers);
 
     if let Some((entry, _)) = shared.replays.get(&scope) {
         return Ok(respond(shared, verdict::cached(entry, &fingerprint)));
@@ -162,7 +176,7 @@ where
             // judges this lease; it is the lock wait's, for the record.
             lease: options.lock_wait,
             ttl: options.ttl,
-            trace_context: None,
+            trace_context: trace_context.as_deref(),
         },
     )
     .await;
@@ -203,6 +217,7 @@ where
             // The connection is closed with it: Postgres rolls back on its own.
             tracing::warn!(?scope, %error, "could not roll back; the connection is dropped");
         }
+        record_outcome("released");
         return Ok(not_executed(response, options.max_response_bytes).await);
     }
 
@@ -231,17 +246,20 @@ where
     if let Err(error) = tx.commit().await {
         return Err(if in_tx::rolled_back(&error) {
             tracing::error!(?scope, %error, "the commit was refused; nothing was kept");
+            record_outcome("error");
             Problem::LedgerUnavailable
         } else {
             tracing::error!(?scope, %error, "the commit's answer was lost; it may have committed");
+            record_outcome("unknown");
             Problem::OutcomeUnrecorded
         });
     }
+    record_outcome("executed");
     failpoint::stop_here("embedded-after-commit");
     let entry = CacheEntry {
         fingerprint,
         response: stored,
-        trace_context: None,
+        trace_context,
         expires_at: Some(expires_at),
     };
     // The row expires `ttl` after its transaction began (Postgres's `now()`), which
@@ -283,14 +301,24 @@ async fn existing(
     respond(shared, outcome)
 }
 
-/// The answer to an outcome decided without running the handler.
+/// The answer to an outcome decided without running the handler: a replay's, a
+/// conflict's span links to the first execution, as at the gateway.
 fn respond(shared: &Shared, outcome: Outcome<Infallible>) -> Response {
+    if let Some(first) = outcome.first_execution() {
+        propagation::link(&Span::current(), first);
+    }
+    record_outcome(outcome.name());
     idem_http::answer(
         outcome,
         shared.settings.mismatch_status,
         None,
         |never: Infallible| match never {},
     )
+}
+
+/// Names what the request came to on its `idemgate.request` span.
+fn record_outcome(name: &'static str) {
+    Span::current().record("idempotency.outcome", name);
 }
 
 /// The handler's answer to a request that was rolled back: as it came, with

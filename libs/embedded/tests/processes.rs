@@ -203,3 +203,69 @@ async fn the_outbox_is_delivered_after_commit_and_rolled_back_with_its_payment()
     }
     assert_eq!(payments(&db).await.len(), 1);
 }
+
+/// Embedded mode traces as the gateway does: each request is an `idemgate.request` span
+/// with the same attributes, exported over OTLP, and a retry's span links to the first
+/// execution's — here through the record in Postgres, read by another process. (On
+/// d90d3dd the demo exported nothing and the layer had no span: "spans exported: []".)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retry_in_embedded_mode_links_to_its_first_execution() {
+    let db = TestDb::create().await;
+    let otlp = OtlpReceiver::start().await;
+    let env = [
+        ("OTEL_EXPORTER_OTLP_ENDPOINT", otlp.endpoint.as_str()),
+        ("OTEL_BSP_SCHEDULE_DELAY", "100"),
+    ];
+    let first_demo = Demo::embedded(&db, &config(&db), &env).await;
+    let second_demo = Demo::embedded(&db, &config(&db), &env).await;
+    let http = Http::default();
+    let key = new_key();
+    let first_trace = "4bf92f3577b34da6a3ce929d0e0e4736";
+    let retry_trace = "0af7651916cd43dd8448eb211c80319c";
+    let pay = |demo: &Demo, trace: &str| {
+        http.pay(
+            &format!("{}/payments", demo.url()),
+            TENANT,
+            &key,
+            &payment("o-trace", 100),
+        )
+        .header("traceparent", &format!("00-{trace}-00f067aa0ba902b7-01"))
+        .send()
+    };
+    let first = pay(&first_demo, first_trace).await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    let retry = pay(&second_demo, retry_trace).await;
+    assert!(retry.replayed(), "the other process replays from Postgres");
+
+    let spans = otlp
+        .spans_in("idemgate.request", &[first_trace, retry_trace])
+        .await;
+    let (first, retry) = (&spans[0], &spans[1]);
+    for (name, value) in [
+        ("idempotency.outcome", "executed"),
+        ("tenant.id", TENANT),
+        ("idempotency.endpoint", "POST /payments"),
+        ("idempotency.key", key.as_str()),
+        ("http.response.status_code", "201"),
+    ] {
+        assert_eq!(attribute(first, name).as_deref(), Some(value), "{name}");
+    }
+    assert_eq!(
+        attribute(retry, "idempotency.outcome").as_deref(),
+        Some("replayed")
+    );
+    assert_eq!(
+        hex(&first.parent_span_id),
+        "00f067aa0ba902b7",
+        "the client's trace is continued"
+    );
+    let link = retry
+        .links
+        .first()
+        .expect("the replay links to the first execution");
+    assert_eq!(hex(&link.trace_id), first_trace);
+    assert_eq!(
+        link.span_id, first.span_id,
+        "the link points at the first request's span"
+    );
+}

@@ -68,6 +68,44 @@ fn format_traceparent(sc: &SpanContext) -> String {
     )
 }
 
+/// The client's `traceparent`, if it sent exactly one and it is a valid W3C value.
+pub fn client_traceparent(headers: &HeaderMap) -> Option<String> {
+    let mut values = headers.get_all("traceparent").iter();
+    match (values.next(), values.next()) {
+        (Some(value), None) => value
+            .to_str()
+            .ok()
+            .filter(|v| parse_traceparent(v).is_some())
+            .map(str::to_owned),
+        _ => None,
+    }
+}
+
+/// What a record stores to link retries to this execution: `span`'s own context, or,
+/// when idemgate does not trace, the client's valid `traceparent`.
+pub fn trace_context(span: &Span, headers: &HeaderMap) -> Option<String> {
+    traceparent(span).or_else(|| client_traceparent(headers))
+}
+
+/// The server span of one request, `idemgate.request` (attributes as DESIGN §8 names
+/// them, filled in as they become known), continuing the client's trace: the same span
+/// at the gateway and in embedded mode.
+pub fn request_span(method: &http::Method, path: &str, headers: &HeaderMap) -> Span {
+    let span = tracing::info_span!(
+        "idemgate.request",
+        otel.kind = "server",
+        http.request.method = %method,
+        url.path = %path,
+        tenant.id = tracing::field::Empty,
+        idempotency.endpoint = tracing::field::Empty,
+        idempotency.key = tracing::field::Empty,
+        idempotency.outcome = tracing::field::Empty,
+        http.response.status_code = tracing::field::Empty,
+    );
+    continue_trace(&span, headers);
+    span
+}
+
 /// Parses a W3C `traceparent` (version 00).
 pub fn parse_traceparent(value: &str) -> Option<SpanContext> {
     let mut parts = value.trim().split('-');

@@ -15,12 +15,14 @@
 //! - [`failpoints`]: [`Failpoints`], armed for a process the test starts.
 //! - [`proxy`]: [`FaultProxy`], a TCP proxy that can cut or slow a connection.
 //! - [`idp`]: [`Idp`], a real OpenID Connect provider (Node's `oidc-provider`).
+//! - [`otlp`]: [`OtlpReceiver`], where processes export their traces.
 
 pub mod client;
 pub mod config;
 pub mod db;
 pub mod failpoints;
 pub mod idp;
+pub mod otlp;
 pub mod processes;
 pub mod proxy;
 pub mod redis;
@@ -30,6 +32,7 @@ pub use config::*;
 pub use db::*;
 pub use failpoints::*;
 pub use idp::*;
+pub use otlp::*;
 pub use processes::*;
 pub use proxy::*;
 pub use redis::*;

@@ -79,7 +79,7 @@ async fn serve(
     )
     .await?;
     // Continued only if it is a valid W3C value; anything else starts a new trace.
-    let client_trace = client_traceparent(&parts.headers);
+    let client_trace = propagation::client_traceparent(&parts.headers);
     let Some(key) = key else {
         // Not idempotent (or key-less on a roll-out route): proxy as it is.
         let sent = Sent {
@@ -184,16 +184,9 @@ async fn serve(
 
     // Respond.
     let name = outcome.name();
-    match &outcome {
-        Outcome::Replayed { trace_context, .. }
-        | Outcome::Mismatch { trace_context, .. }
-        | Outcome::InProgress { trace_context, .. } => {
-            // One click from this retry's trace to the first execution.
-            if let Some(first) = trace_context {
-                propagation::link(&span, first);
-            }
-        }
-        _ => {}
+    if let Some(first) = outcome.first_execution() {
+        // One click from this retry's trace to the first execution.
+        propagation::link(&span, first);
     }
     span.record("idempotency.outcome", name);
     let response = respond(outcome, &route, wait);
@@ -207,19 +200,6 @@ struct Sent<'a> {
     key: Option<&'a IdempotencyKey>,
     /// The client's valid `traceparent`, continued when idemgate itself does not trace.
     traceparent: Option<&'a str>,
-}
-
-/// The client's `traceparent`, if it sent exactly one and it is a valid W3C value.
-fn client_traceparent(headers: &http::HeaderMap) -> Option<String> {
-    let mut values = headers.get_all(h::TRACEPARENT).iter();
-    match (values.next(), values.next()) {
-        (Some(value), None) => value
-            .to_str()
-            .ok()
-            .filter(|v| propagation::parse_traceparent(v).is_some())
-            .map(str::to_owned),
-        _ => None,
-    }
 }
 
 /// The engine's upstream call for the attempt that won the claim.

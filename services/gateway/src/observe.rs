@@ -11,7 +11,6 @@ use idem_telemetry::metrics::{counter, histogram};
 use idem_telemetry::propagation;
 use tokio::time::Instant;
 use tracing::Instrument;
-use tracing::field::Empty;
 
 pub use idem_http::Outcome;
 
@@ -21,18 +20,7 @@ pub struct Endpoint(pub String);
 
 pub async fn observe(request: Request, next: Next) -> Response {
     let started = Instant::now();
-    let span = tracing::info_span!(
-        "idemgate.request",
-        otel.kind = "server",
-        http.request.method = %request.method(),
-        url.path = %request.uri().path(),
-        tenant.id = Empty,
-        idempotency.endpoint = Empty,
-        idempotency.key = Empty,
-        idempotency.outcome = Empty,
-        http.response.status_code = Empty,
-    );
-    propagation::continue_trace(&span, request.headers());
+    let span = propagation::request_span(request.method(), request.uri().path(), request.headers());
     let mut response = next.run(request).instrument(span.clone()).await;
 
     let status = response.status().as_u16();

@@ -8,40 +8,7 @@ use std::time::Duration;
 
 use common::*;
 use http::StatusCode;
-use opentelemetry_proto::tonic::collector::trace::v1::ExportTraceServiceRequest;
-use opentelemetry_proto::tonic::common::v1::any_value::Value as AnyValue;
-use opentelemetry_proto::tonic::trace::v1::Span as OtlpSpan;
-use prost::Message;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-
-/// An OTLP/HTTP (protobuf) receiver: every span posted to `/v1/traces` lands in the vec.
-async fn otlp_receiver() -> (String, Arc<Mutex<Vec<OtlpSpan>>>) {
-    let spans: Arc<Mutex<Vec<OtlpSpan>>> = Arc::default();
-    let sink = spans.clone();
-    let app = axum::Router::new().route(
-        "/v1/traces",
-        axum::routing::post(move |body: axum::body::Bytes| {
-            let sink = sink.clone();
-            async move {
-                let request = ExportTraceServiceRequest::decode(body)
-                    .expect("a protobuf ExportTraceServiceRequest");
-                for resource in request.resource_spans {
-                    for scope in resource.scope_spans {
-                        sink.lock().unwrap().extend(scope.spans);
-                    }
-                }
-                (
-                    [(http::header::CONTENT_TYPE, "application/x-protobuf")],
-                    Vec::<u8>::new(),
-                )
-            }
-        }),
-    );
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
-    (format!("http://{addr}"), spans)
-}
 
 /// An upstream that answers 201 and records the `traceparent` of each request.
 async fn traced_upstream() -> (String, Arc<Mutex<Vec<String>>>) {
@@ -72,24 +39,13 @@ async fn traced_upstream() -> (String, Arc<Mutex<Vec<String>>>) {
     (format!("http://{addr}"), seen)
 }
 
-fn attribute(span: &OtlpSpan, key: &str) -> Option<String> {
-    span.attributes
-        .iter()
-        .find(|kv| kv.key == key)
-        .and_then(|kv| match kv.value.as_ref()?.value.as_ref()? {
-            AnyValue::StringValue(s) => Some(s.clone()),
-            other => Some(format!("{other:?}")),
-        })
-}
-
-fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_retrys_trace_links_to_the_first_execution() {
     let db = TestDb::create().await;
-    let (collector, spans) = otlp_receiver().await;
+    let OtlpReceiver {
+        endpoint: collector,
+        spans,
+    } = OtlpReceiver::start().await;
     let (upstream, seen) = traced_upstream().await;
     let route = Route::idempotent("POST", "/payments", &upstream);
     let gw = GatewayProcess::start_with_env(

@@ -106,11 +106,9 @@ const REFUND: Kind = Kind {
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
-        )
-        .init();
+    // Logs, and traces over OTLP when OTEL_EXPORTER_OTLP_ENDPOINT is set (embedded mode's
+    // `idemgate.request` spans, as the gateway exports them).
+    let telemetry = idem_telemetry::init("payments-demo");
     let listen = std::env::var("PAYMENTS_DEMO_LISTEN").unwrap_or_else(|_| "127.0.0.1:9090".into());
     let url = std::env::var("PAYMENTS_DEMO_DATABASE_URL")
         .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/payments_demo".into());
@@ -154,6 +152,7 @@ async fn main() -> anyhow::Result<()> {
             }
         })
         .await?;
+    telemetry.shutdown();
     Ok(())
 }
 
