@@ -99,6 +99,16 @@ async fn service(
     options: impl FnOnce(Options<TenantFrom>) -> Options<TenantFrom>,
     beside: Option<&Service>,
 ) -> Service {
+    service_via(options, beside, None).await
+}
+
+/// [`service`], its layer's connections to Postgres through `proxy` when given (the
+/// test's own reads go straight to Postgres).
+async fn service_via(
+    options: impl FnOnce(Options<TenantFrom>) -> Options<TenantFrom>,
+    beside: Option<&Service>,
+    proxy: Option<&FaultProxy>,
+) -> Service {
     let (db, url) = match beside {
         Some(other) => (None, other.db_url.clone()),
         None => {
@@ -130,7 +140,19 @@ async fn service(
     .expect("test config");
     let auth = idem_auth::Authenticator::from_config(&config.auth).expect("HS256 auth");
     let options = options(Options::default().tenant(TenantFrom::Jwt(Arc::new(auth))));
-    let idem = Idempotency::new(pool.clone(), options);
+    let layer_pool = match proxy {
+        Some(proxy) => {
+            let via = url.replacen("127.0.0.1:5432", &proxy.addr.to_string(), 1);
+            assert_ne!(via, url, "the test database is on 127.0.0.1:5432");
+            sqlx::postgres::PgPoolOptions::new()
+                .max_connections(8)
+                .connect(&format!("{via}?sslmode=disable"))
+                .await
+                .expect("connect through the fault proxy")
+        }
+        None => pool.clone(),
+    };
+    let idem = Idempotency::new(layer_pool, options);
     let app = Router::new().route(
         "/orders",
         post(create_order)
@@ -542,4 +564,48 @@ async fn a_duplicate_that_waited_never_replays_past_the_records_end() {
         "a request after the record's end executes"
     );
     assert_eq!(svc.orders().await, 2);
+}
+
+/// A commit whose answer is lost (the connection cut right after `COMMIT` left, or just
+/// before) is 503 `outcome-unrecorded`, and a retry finds the committed record — or none,
+/// and executes: one order either way. (It had no test on d90d3dd.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_commit_whose_answer_is_lost_is_outcome_unrecorded_and_the_retry_settles_it() {
+    let proxy = FaultProxy::start("127.0.0.1:5432".parse().unwrap()).await;
+    let svc = service_via(|o| o, None, Some(&proxy)).await;
+    let http = Http::default();
+    for (delivered, retry_replays) in [(true, true), (false, false)] {
+        let key = new_key();
+        proxy.set(Fault::CutAt {
+            pattern: b"COMMIT",
+            deliver: delivered,
+        });
+        let lost = http.pay(&svc.url, "acme", &key, &order(7)).send().await;
+        proxy.heal();
+        assert_eq!(
+            lost.status,
+            StatusCode::SERVICE_UNAVAILABLE,
+            "{:?}",
+            lost.body
+        );
+        assert_eq!(lost.problem(), "outcome-unrecorded");
+        assert!(lost.header("retry-after").is_some());
+        let retry = http.pay(&svc.url, "acme", &key, &order(7)).send().await;
+        assert_eq!(retry.status, StatusCode::CREATED, "{:?}", retry.body);
+        assert_eq!(
+            retry.replayed(),
+            retry_replays,
+            "the commit reached Postgres: {delivered}"
+        );
+        let orders: i64 =
+            sqlx::query_scalar("SELECT count(*) FROM orders WHERE idempotency_key = $1")
+                .bind(&key)
+                .fetch_one(&svc.pool)
+                .await
+                .unwrap();
+        assert_eq!(
+            orders, 1,
+            "orders for one key, commit delivered: {delivered}"
+        );
+    }
 }

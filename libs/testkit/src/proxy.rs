@@ -6,7 +6,8 @@
 //! forwards nothing (what was sent is held and delivered when the fault heals, as TCP
 //! would retransmit it); [`Fault::StallOpen`] does that only to connections opened
 //! before the fault (a NAT or firewall that forgot them, while new ones work); and
-//! [`Fault::Latency`] delays every chunk in both directions.
+//! [`Fault::Latency`] delays every chunk in both directions; [`Fault::CutAt`] ends a
+//! connection at a given request, delivered or not (a commit whose answer is lost).
 //!
 //! The tests use it in-process; `idem-faultproxy` wraps it in a small binary for
 //! `loadtest/chaos`, steered over a control port.
@@ -31,6 +32,13 @@ pub enum Fault {
     StallOpen { opened_before: u64 },
     /// Hold every chunk this long before forwarding it.
     Latency(Duration),
+    /// The first chunk a client sends that contains `pattern` (a `COMMIT`) ends its
+    /// connection: forwarded first when `deliver` (the server acts on it, and its answer
+    /// is lost), or not at all. Other chunks pass.
+    CutAt {
+        pattern: &'static [u8],
+        deliver: bool,
+    },
 }
 
 /// A proxy from its own port on 127.0.0.1 to `target`, stopped when dropped.
@@ -146,7 +154,20 @@ async fn pump(
         if let Some(counted) = &counted {
             counted.fetch_add(n as u64, Ordering::SeqCst);
         }
-        if pass(&mut fault, id).await.is_none() || to.write_all(&buf[..n]).await.is_err() {
+        if pass(&mut fault, id).await.is_none() {
+            return;
+        }
+        let now = *fault.borrow();
+        if let (Some(_), Fault::CutAt { pattern, deliver }) = (&counted, now)
+            && buf[..n].windows(pattern.len()).any(|w| w == pattern)
+        {
+            if deliver {
+                let _ = to.write_all(&buf[..n]).await;
+            }
+            // Both directions close with this pump: the answer never reaches the client.
+            return;
+        }
+        if to.write_all(&buf[..n]).await.is_err() {
             return;
         }
     }
@@ -157,7 +178,7 @@ async fn pass(fault: &mut watch::Receiver<Fault>, id: u64) -> Option<()> {
     loop {
         let now = *fault.borrow_and_update();
         match now {
-            Fault::None => return Some(()),
+            Fault::None | Fault::CutAt { .. } => return Some(()),
             Fault::StallOpen { opened_before } if id >= opened_before => return Some(()),
             Fault::Latency(delay) => {
                 // The latency this proxy was asked to add.
