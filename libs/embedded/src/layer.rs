@@ -3,13 +3,16 @@
 //! 1. tenant, key, body and fingerprint, read as the gateway reads them: bad input is a
 //!    4xx and nothing is claimed;
 //! 2. a completed answer held in this process is replayed at once;
-//! 3. `BEGIN` (with `lock_timeout = lock_wait`), then the gateway's claim on the
-//!    transaction. A live record answers as at the gateway (replay, 409/422, 409 in
-//!    progress); a duplicate of an uncommitted claim waits on it for `lock_wait`, then
-//!    finds its answer, or claims the key itself if the first rolled back, or gets 409;
-//! 4. the handler runs with the transaction ([`crate::Tx`]); the request's extensions
+//! 3. the key's turn in this process (`gate.rs`): a duplicate of a key this process
+//!    is serving waits in memory (at most `lock_wait`, then 409), holding no connection;
+//! 4. `BEGIN`, then the gateway's claim on the transaction, waiting on another
+//!    transaction's uncommitted claim of the key for `FIRST_LOCK_WAIT` (20 ms) — beyond it on
+//!    one of `max_lock_waits` connections for the rest of `lock_wait`, or not at all (409).
+//!    A live record answers as at the gateway (replay, 409/422, 409 in progress), decided
+//!    by [`idem_core::verdict`]; a first that rolled back leaves the key to claim;
+//! 5. the handler runs with the transaction ([`crate::Tx`]); the request's extensions
 //!    hold its [`Scope`] (tenant, endpoint, key) and its [`AttemptId`];
-//! 5. an answer whose status rolls back (every 5xx, 408, 425 and 429 by default) rolls
+//! 6. an answer whose status rolls back (every 5xx, 408, 425 and 429 by default) rolls
 //!    everything back: the client gets it, marked `not_executed` if it is a problem
 //!    document, and the key is free. Those are also the statuses of the layers that cut a
 //!    handler off and answer for it (a timeout's 408, a rate limiter's 429, a load
@@ -25,6 +28,7 @@ use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
+use std::time::Duration;
 
 use axum::body::Body;
 use axum::extract::Request;
@@ -41,11 +45,14 @@ use idem_http::problem::NOT_EXECUTED;
 use idem_http::request::{idempotency_key, read_body};
 use idem_postgres::ledger::in_tx;
 use idem_telemetry::{failpoint, propagation};
+use sqlx::{Postgres, Transaction};
+use tokio::time::Instant;
 use tower_layer::Layer;
 use tower_service::Service;
 use tracing::{Instrument, Span};
 
 use crate::Shared;
+use crate::gate::Entry;
 use crate::tx::Slot;
 
 /// Makes a route idempotent: [`crate::Idempotency::layer`].
@@ -159,38 +166,62 @@ where
         return Ok(respond(shared, verdict::cached(entry, &fingerprint)));
     }
 
-    let begun = tokio::time::Instant::now();
-    let mut tx = shared
-        .pool
-        .begin_with(sqlx::AssertSqlSafe(shared.begin.clone()))
-        .await
-        .map_err(|error| unavailable(&scope, "begin", &error))?;
+    // Duplicates of a key this process is serving wait for it here, holding no pooled
+    // connection; the key's turn is held until this request's transaction ends.
+    let deadline = Instant::now() + options.lock_wait;
+    let _turn = loop {
+        match shared.gates.enter(&scope) {
+            Entry::Turn(turn) => break turn,
+            Entry::Busy(done) => {
+                if tokio::time::timeout_at(deadline, done).await.is_err() {
+                    return Ok(respond(shared, verdict::locked_out(false)));
+                }
+                // The first committed an answer this process now holds, or went away.
+                if let Some((entry, _)) = shared.replays.get(&scope) {
+                    return Ok(respond(shared, verdict::cached(entry, &fingerprint)));
+                }
+            }
+        }
+    };
+
+    let begun = Instant::now();
     let attempt = AttemptId::random();
-    let claimed = in_tx::claim(
-        &mut tx,
-        &Claim {
-            scope: &scope,
-            fingerprint: &fingerprint,
-            attempt,
-            // Nobody sees the claim before it commits completed, so no reconciler ever
-            // judges this lease; it is the lock wait's, for the record.
-            lease: options.lock_wait,
-            ttl: options.ttl,
-            trace_context: trace_context.as_deref(),
-        },
-    )
-    .await;
-    let read = tokio::time::Instant::now();
+    let claim = Claim {
+        scope: &scope,
+        fingerprint: &fingerprint,
+        attempt,
+        // Nobody sees the claim before it commits completed, so no reconciler ever
+        // judges this lease; it is the lock wait's, for the record.
+        lease: options.lock_wait,
+        ttl: options.ttl,
+        trace_context: trace_context.as_deref(),
+    };
+    let (tx, claimed) = match claim_on(shared, &claim, None).await? {
+        (tx, ClaimResult::Locked) => {
+            // Another process's request (or a gateway's statement) holds the key: wait for
+            // it on one of the few connections set aside for such waits, or not at all.
+            drop(tx);
+            let left = deadline.saturating_duration_since(Instant::now());
+            let Ok(_waiting) = shared.lock_waits.try_acquire() else {
+                return Ok(respond(shared, verdict::locked_out(false)));
+            };
+            if left.is_zero() {
+                return Ok(respond(shared, verdict::locked_out(false)));
+            }
+            claim_on(shared, &claim, Some(left)).await?
+        }
+        claimed => claimed,
+    };
+    let read = Instant::now();
     match claimed {
-        Ok(ClaimResult::Claimed) => {}
-        Ok(ClaimResult::Existing(record)) => {
+        ClaimResult::Claimed => {}
+        ClaimResult::Existing(record) => {
             drop(tx);
             let verdict = Verdict::of(record, &fingerprint);
             return Ok(existing(shared, &scope, verdict, read).await);
         }
         // The first request's claim is still uncommitted after `lock_wait`.
-        Ok(ClaimResult::Locked) => return Ok(respond(shared, verdict::locked_out(false))),
-        Err(error) => return Err(unavailable(&scope, "claim", &error)),
+        ClaimResult::Locked => return Ok(respond(shared, verdict::locked_out(false))),
     }
 
     let slot = Slot::new(tx);
@@ -274,14 +305,44 @@ where
     Ok(response)
 }
 
+/// Begins the request's transaction and claims the key on it, waiting on another
+/// transaction's claim of the key at most [`FIRST_LOCK_WAIT`] (or `wait`); the
+/// transaction keeps `lock_wait` as its lock timeout for the handler.
+async fn claim_on(
+    shared: &Shared,
+    claim: &Claim<'_>,
+    wait: Option<Duration>,
+) -> Result<(Transaction<'static, Postgres>, ClaimResult), Problem> {
+    let begin = match wait {
+        None => shared.begin.clone(),
+        Some(wait) => begin_waiting(wait),
+    };
+    let mut tx = shared
+        .pool
+        .begin_with(sqlx::AssertSqlSafe(begin))
+        .await
+        .map_err(|error| unavailable(claim.scope, "begin", &error))?;
+    let claimed = in_tx::claim(&mut tx, claim, shared.settings.lock_wait)
+        .await
+        .map_err(|error| unavailable(claim.scope, "claim", &error))?;
+    Ok((tx, claimed))
+}
+
+/// How long a claim first waits on another transaction's claim of its key: longer than a
+/// gateway's statement holds one, far shorter than another request's handler does.
+pub(crate) const FIRST_LOCK_WAIT: Duration = Duration::from_millis(20);
+
+/// The statement that begins a request's transaction, its claim waiting at most `wait`.
+pub(crate) fn begin_waiting(wait: Duration) -> String {
+    format!(
+        "BEGIN; SET LOCAL lock_timeout = '{}ms'",
+        wait.as_millis().max(1)
+    )
+}
+
 /// What a live record found by the claim answers. `read`: when the statement that read
 /// it was answered, to hold a copy no longer than the row lives.
-async fn existing(
-    shared: &Shared,
-    scope: &Scope,
-    verdict: Verdict,
-    read: tokio::time::Instant,
-) -> Response {
+async fn existing(shared: &Shared, scope: &Scope, verdict: Verdict, read: Instant) -> Response {
     let outcome = match verdict.decide(read.elapsed(), false) {
         Decision::Replay {
             entry,

@@ -37,8 +37,10 @@
 //! - [`Idempotency`] and [`Options`]: the shared state and its settings.
 //! - [`layer`]: the tower layer, and one request through it.
 //! - [`tx`]: the [`Tx`] extractor.
+//! - `gate`: one request per key at a time from this process; its duplicates wait in memory.
 #![forbid(unsafe_code)]
 
+mod gate;
 pub mod layer;
 pub mod tx;
 
@@ -145,6 +147,7 @@ pub(crate) struct Settings {
     pub(crate) roll_back_on: StatusSet,
     pub(crate) store_set_cookie: bool,
     pub(crate) replay_memory: Bounds,
+    pub(crate) max_lock_waits: Option<usize>,
 }
 
 impl Default for Options {
@@ -172,6 +175,7 @@ impl Options {
                     entries: 10_000,
                     bytes: 64 << 20,
                 },
+                max_lock_waits: None,
             },
         }
     }
@@ -246,6 +250,15 @@ impl<T> Options<T> {
         self.settings.replay_memory = bounds;
         self
     }
+
+    /// How many pooled connections may wait at once on keys that another process's
+    /// request holds uncommitted (default: a quarter of the pool, at least one). Beyond
+    /// it such a duplicate is answered 409 in progress at once. Duplicates of a key this
+    /// process itself is serving wait in memory and take none.
+    pub fn max_lock_waits(mut self, connections: usize) -> Self {
+        self.settings.max_lock_waits = Some(connections);
+        self
+    }
 }
 
 /// The idempotency of a service: its pool, options and replay memory. Cheap to clone;
@@ -260,8 +273,12 @@ pub(crate) struct Shared {
     pub(crate) pool: PgPool,
     pub(crate) tenant: TenantFrom,
     pub(crate) settings: Settings,
-    /// The statement that begins a request's transaction, with its lock wait.
+    /// The statement that begins a request's transaction, its claim's first lock wait.
     pub(crate) begin: String,
+    /// Keys this process is serving: their duplicates wait here.
+    pub(crate) gates: gate::Gates,
+    /// Connections that may wait on another process's claim at once.
+    pub(crate) lock_waits: tokio::sync::Semaphore,
     pub(crate) replays: Local<NoCache>,
     pub(crate) fingerprints: idem_http::Fingerprinter,
 }
@@ -271,10 +288,11 @@ impl Idempotency {
     /// create ([`migrate`]).
     pub fn new(pool: PgPool, options: Options<TenantFrom>) -> Self {
         let Options { tenant, settings } = options;
-        let begin = format!(
-            "BEGIN; SET LOCAL lock_timeout = '{}ms'",
-            settings.lock_wait.as_millis().max(1)
-        );
+        let begin = layer::begin_waiting(layer::FIRST_LOCK_WAIT.min(settings.lock_wait));
+        let lock_waits = settings
+            .max_lock_waits
+            .unwrap_or(pool.options().get_max_connections() as usize / 4)
+            .max(1);
         let replays = Local::new(NoCache, settings.replay_memory);
         Self {
             shared: Arc::new(Shared {
@@ -282,6 +300,8 @@ impl Idempotency {
                 tenant,
                 settings,
                 begin,
+                gates: gate::Gates::default(),
+                lock_waits: tokio::sync::Semaphore::new(lock_waits),
                 replays,
                 fingerprints: idem_http::Fingerprinter::default(),
             }),

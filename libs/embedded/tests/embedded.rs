@@ -533,14 +533,16 @@ async fn a_trusted_tenant_header_names_the_tenant() {
     assert_eq!((svc.orders().await, svc.records().await), (2, 2));
 }
 
-/// A duplicate that waited on the first request's uncommitted claim measures the
-/// record's remaining life when it reads it, not when its transaction began: its process
+/// A duplicate that waited on the first request's uncommitted claim (from another
+/// process) measures the record's remaining life when it reads it, not when its transaction began: its process
 /// never replays the answer past the record's end. (On d90d3dd it read the expiry as long
 /// as its wait too many, and replayed a record that had expired: "a request after the
 /// record's end executes": it was replayed.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_duplicate_that_waited_never_replays_past_the_records_end() {
     let svc = service(|o| o.ttl(Duration::from_secs(3)), None).await;
+    // The duplicate's process: it waits on the first's claim in Postgres.
+    let other = service(|o| o.ttl(Duration::from_secs(3)), Some(&svc)).await;
     let http = Http::default();
     let key = new_key();
     let first = in_flight(
@@ -550,14 +552,14 @@ async fn a_duplicate_that_waited_never_replays_past_the_records_end() {
         Duration::from_millis(200),
     )
     .await;
-    let duplicate = http.pay(&svc.url, "acme", &key, &order(7)).send().await;
+    let duplicate = http.pay(&other.url, "acme", &key, &order(7)).send().await;
     let first = first.await.unwrap();
     assert_eq!(first.status, StatusCode::CREATED);
     assert!(duplicate.replayed(), "the duplicate waited, then replayed");
     // The record ends 3 s after the first transaction began, about 0.5 s from now; a
     // duplicate that took its own start for the read would keep it 2.8 s from now.
     tokio::time::sleep(Duration::from_millis(1600)).await;
-    let later = http.pay(&svc.url, "acme", &key, &order(7)).send().await;
+    let later = http.pay(&other.url, "acme", &key, &order(7)).send().await;
     assert_eq!(later.status, StatusCode::CREATED);
     assert!(
         !later.replayed(),
@@ -608,4 +610,94 @@ async fn a_commit_whose_answer_is_lost_is_outcome_unrecorded_and_the_retry_settl
             "orders for one key, commit delivered: {delivered}"
         );
     }
+}
+
+/// Sessions of the test's database waiting on a lock right now.
+async fn lock_waiters(svc: &Service) -> i64 {
+    svc.count(
+        "SELECT count(*) FROM pg_stat_activity \
+         WHERE datname = current_database() AND wait_event_type = 'Lock'",
+    )
+    .await
+}
+
+/// Duplicates of a key this process is serving wait in memory, not on the first
+/// request's row lock with a pooled connection each. (On d90d3dd each held a connection:
+/// "sessions waiting on a row lock while 30 duplicates wait, left: 30, right: 0".)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn duplicates_of_a_running_key_hold_no_connection() {
+    let svc = service(|o| o, None).await;
+    let http = Http::default();
+    let key = new_key();
+    let first = in_flight(
+        http.pay(&svc.url, "acme", &key, &order(7))
+            .header("x-sleep-ms", "1500")
+            .send(),
+        Duration::from_millis(200),
+    )
+    .await;
+    let duplicates: Vec<_> = (0..30)
+        .map(|_| tokio::spawn(http.pay(&svc.url, "acme", &key, &order(7)).send()))
+        .collect();
+    // Real time: the duplicates are under way, the first still holds its claim.
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    assert!(!first.is_finished());
+    assert_eq!(
+        lock_waiters(&svc).await,
+        0,
+        "sessions waiting on a row lock while 30 duplicates wait"
+    );
+    let other = http
+        .pay(&svc.url, "globex", &new_key(), &order(1))
+        .send()
+        .await;
+    assert_eq!(other.status, StatusCode::CREATED);
+    let first = first.await.unwrap();
+    assert_eq!(first.status, StatusCode::CREATED);
+    for duplicate in duplicates {
+        let duplicate = duplicate.await.unwrap();
+        assert_eq!(duplicate.status, StatusCode::CREATED);
+        assert!(duplicate.replayed());
+        assert_eq!(duplicate.body, first.body);
+    }
+    assert_eq!(svc.orders().await, 2);
+}
+
+/// A duplicate of a key another process holds uncommitted waits on it with a connection
+/// of the few set aside for such waits (`max_lock_waits`); beyond them it is answered
+/// 409 at once. (On d90d3dd every such duplicate waited with a connection of its own:
+/// "beyond the cap, left: 201, right: 409".)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn waits_on_another_processs_keys_are_capped() {
+    let a = service(|o| o, None).await;
+    let b = service(|o| o.max_lock_waits(1), Some(&a)).await;
+    let http = Http::default();
+    let (k1, k2) = (new_key(), new_key());
+    let held: Vec<_> = [&k1, &k2]
+        .map(|key| {
+            tokio::spawn(
+                http.pay(&a.url, "acme", key, &order(7))
+                    .header("x-sleep-ms", "1500")
+                    .send(),
+            )
+        })
+        .into();
+    // Real time: both keys are claimed on A, uncommitted.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let waiting = in_flight(
+        http.pay(&b.url, "acme", &k1, &order(7)).send(),
+        Duration::from_millis(300),
+    )
+    .await;
+    let beyond = http.pay(&b.url, "acme", &k2, &order(7)).send().await;
+    assert_eq!(beyond.status, StatusCode::CONFLICT, "beyond the cap");
+    assert_eq!(beyond.problem(), "idempotency-key-in-progress");
+    assert!(beyond.header("retry-after").is_some());
+    let waited = waiting.await.unwrap();
+    assert_eq!(waited.status, StatusCode::CREATED, "{:?}", waited.body);
+    assert!(waited.replayed(), "it waited for A's answer");
+    for first in held {
+        assert_eq!(first.await.unwrap().status, StatusCode::CREATED);
+    }
+    assert_eq!(a.orders().await, 2);
 }

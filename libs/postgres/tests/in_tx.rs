@@ -51,7 +51,9 @@ async fn a_transactions_claim_and_completion_are_planned_once_per_connection_by_
             ttl: Duration::from_secs(60),
             trace_context: None,
         };
-        let claimed = in_tx::claim(&mut tx, &claim).await.unwrap();
+        let claimed = in_tx::claim(&mut tx, &claim, Duration::from_secs(5))
+            .await
+            .unwrap();
         assert!(matches!(claimed, ClaimResult::Claimed), "{claimed:?}");
         let fence = in_tx::complete(
             &mut tx,
@@ -75,7 +77,7 @@ async fn a_transactions_claim_and_completion_are_planned_once_per_connection_by_
     .await
     .unwrap();
     let claim_args = "'acme', 'POST /payments', 'x', decode(repeat('ab', 32), 'hex'), \
-                      gen_random_uuid(), 1000, NULL, 1000";
+                      gen_random_uuid(), 1000, NULL, 1000, '5000ms'";
     let complete_args = "'acme', 'POST /payments', 'x', gen_random_uuid(), 201, '[]', '\\x00', \
                          1000, false, decode(repeat('ab', 32), 'hex')";
     for (what, sql, args) in [

@@ -270,6 +270,7 @@ async fn a_key_held_by_an_uncommitted_embedded_claim_is_in_progress_and_others_g
             ttl: Duration::from_secs(60),
             trace_context: None,
         },
+        Duration::from_secs(30),
     )
     .await
     .unwrap();

@@ -25,9 +25,10 @@ use crate::group::Batch;
 /// The claim over the rows `i` the argument selects (tenant_id, endpoint, key,
 /// request_hash, attempt, lease_ms, trace_context, ttl_ms and their position n), in order:
 /// inserts the row, or takes over one that is not live (completed and expired); else
-/// returns the live row. One statement, whatever its rows come from.
+/// returns the live row. One statement, whatever its rows come from; `$after` is added to
+/// its answer's columns, evaluated after the claim itself has run.
 macro_rules! claim_sql {
-    ($claims:literal) => {
+    ($claims:literal, $after:literal) => {
         concat!(
             "WITH i AS (", $claims, "), ",
             // The live rows, by a plain read first; only the claims with no live row visible
@@ -68,6 +69,7 @@ macro_rules! claim_sql {
             " RETURNING k.attempt) \
              SELECT i.attempt IN (SELECT attempt FROM claimed) AS claimed, ",
             rules::record_columns!(),
+            $after,
             " FROM i LEFT JOIN seen AS k ON k.n = i.n ORDER BY i.n"
         )
     };
@@ -79,17 +81,24 @@ pub const CLAIM_SQL: &str = claim_sql!(
     "SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::bytea[], $5::uuid[], \
                           $6::float8[], $7::text[], $8::float8[]) WITH ORDINALITY \
        AS i(tenant_id, endpoint, key, request_hash, attempt, lease_ms, trace_context, \
-            ttl_ms, n)"
+            ttl_ms, n)",
+    ""
 );
 
 /// The same claim of one row, $1..$8 as scalars: embedded mode's, one per transaction.
 /// Postgres plans the array form afresh for every execution (its generic plan guesses
 /// the arrays' length), which costs more than running it; this one it plans once per
 /// connection, by the key's index.
+///
+/// Once the claim has run — after any wait on another transaction's claim of the key,
+/// which the transaction's `lock_timeout` bounded — it sets the transaction's
+/// `lock_timeout` to $9 for the rest of it (the handler's writes): a short wait for the
+/// claim and the caller's own for the handler, in one round trip.
 pub const CLAIM_ONE_SQL: &str = claim_sql!(
     "SELECT $1::text AS tenant_id, $2::text AS endpoint, $3::text AS key, \
        $4::bytea AS request_hash, $5::uuid AS attempt, $6::float8 AS lease_ms, \
-       $7::text AS trace_context, $8::float8 AS ttl_ms, 1::int8 AS n"
+       $7::text AS trace_context, $8::float8 AS ttl_ms, 1::int8 AS n",
+    ", set_config('lock_timeout', $9, true) AS lock_timeout_after"
 );
 
 /// The live row of one scope ($1, $2, $3).
@@ -134,10 +143,12 @@ impl ClaimRow {
 }
 
 impl ClaimRow {
-    /// This claim alone, by [`CLAIM_ONE_SQL`]: a claim on a caller's transaction.
+    /// This claim alone, by [`CLAIM_ONE_SQL`]: a claim on a caller's transaction, which
+    /// keeps `lock_timeout_after` as its `lock_timeout` after the claim.
     pub(crate) async fn write_one(
         &self,
         conn: &mut PgConnection,
+        lock_timeout_after: Duration,
     ) -> Result<<Claims as Batch>::Outcome, sqlx::Error> {
         let answer = sqlx::query(CLAIM_ONE_SQL)
             .bind(self.scope.tenant.as_str())
@@ -148,6 +159,7 @@ impl ClaimRow {
             .bind(self.lease_ms)
             .bind(self.trace_context.as_deref())
             .bind(self.ttl_ms)
+            .bind(format!("{}ms", lock_timeout_after.as_millis().max(1)))
             .fetch_one(conn)
             .await;
         match answer {

@@ -27,11 +27,21 @@ use super::{CLAIM_ROUNDS, bodies};
 /// Claims `claim.scope` on `conn` (inside a transaction): this attempt owns the key until
 /// the transaction ends, or the live record is returned, or [`ClaimResult::Locked`]:
 /// another transaction's claim of the scope was still uncommitted when the transaction's
-/// `lock_timeout` ran out (the transaction is then aborted).
-pub async fn claim(conn: &mut PgConnection, claim: &Claim<'_>) -> Result<ClaimResult, LedgerError> {
+/// `lock_timeout` ran out (the transaction is then aborted). Once claimed, the transaction
+/// keeps `lock_timeout_after` as its `lock_timeout`: the claim may wait briefly and the
+/// caller's writes after it longer, or the other way round.
+pub async fn claim(
+    conn: &mut PgConnection,
+    claim: &Claim<'_>,
+    lock_timeout_after: Duration,
+) -> Result<ClaimResult, LedgerError> {
     let row = ClaimRow::of(claim);
     for _ in 0..CLAIM_ROUNDS {
-        match row.write_one(conn).await.map_err(LedgerError::new)?? {
+        match row
+            .write_one(conn, lock_timeout_after)
+            .await
+            .map_err(LedgerError::new)??
+        {
             Some(Seen::Claimed) => return Ok(ClaimResult::Claimed),
             Some(Seen::Locked) => return Ok(ClaimResult::Locked),
             Some(Seen::Row(found)) => {
