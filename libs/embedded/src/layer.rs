@@ -33,25 +33,21 @@ use std::time::Duration;
 use axum::body::Body;
 use axum::extract::Request;
 use axum::response::{IntoResponse, Response};
-use bytes::Bytes;
-use http::{HeaderValue, header};
-use http_body_util::BodyExt;
-use idem_core::verdict::{self, Decision};
-use idem_core::{
-    AttemptId, Cache, CacheEntry, Claim, ClaimResult, Completed, Outcome, Scope, Verdict,
-};
+use http::header;
+use idem_core::verdict;
+use idem_core::{AttemptId, Cache, CacheEntry, Claim, ClaimResult, Completed, Scope, Verdict};
 use idem_http::Problem;
-use idem_http::problem::NOT_EXECUTED;
 use idem_http::request::{idempotency_key, read_body};
 use idem_postgres::ledger::in_tx;
 use idem_telemetry::{failpoint, propagation};
-use sqlx::{Postgres, Transaction};
+use sqlx::{Connection, Postgres, Transaction};
 use tokio::time::Instant;
 use tower_layer::Layer;
 use tower_service::Service;
 use tracing::{Instrument, Span};
 
 use crate::Shared;
+use crate::answer::{self, HandlerBody, PassOn, existing, not_executed, record_outcome, respond};
 use crate::gate::Entry;
 use crate::tx::Slot;
 
@@ -196,7 +192,7 @@ where
         ttl: options.ttl,
         trace_context: trace_context.as_deref(),
     };
-    let (tx, claimed) = match claim_on(shared, &claim, None).await? {
+    let (mut tx, claimed) = match claim_on(shared, &claim, None).await? {
         (tx, ClaimResult::Locked) => {
             // Another process's request (or a gateway's statement) holds the key: wait for
             // it on one of the few connections set aside for such waits, or not at all.
@@ -216,6 +212,9 @@ where
     match claimed {
         ClaimResult::Claimed => {}
         ClaimResult::Existing(record) => {
+            if record_bytes(&record) > LARGE {
+                tx.shrink_buffers();
+            }
             drop(tx);
             let verdict = Verdict::of(record, &fingerprint);
             return Ok(existing(shared, &scope, verdict, read).await);
@@ -253,14 +252,16 @@ where
     }
 
     let (mut head, handler_body) = response.into_parts();
-    let bytes = match handler_body.collect().await {
-        Ok(collected) => collected.to_bytes(),
+    let (kept, body) = match answer::read_answer(handler_body, options.max_response_bytes).await {
+        Ok(HandlerBody::Whole(bytes)) => (Some(bytes.clone()), Body::from(bytes)),
+        // Past what is stored: committed without it (retries get 410), and passed on to
+        // this client as it comes, never held whole.
+        Ok(HandlerBody::Over { read, rest }) => (None, PassOn::body(read, rest)),
         Err(error) => {
             tracing::error!(?scope, %error, "the handler's answer could not be read; its transaction is rolled back");
             return Err(Problem::Internal);
         }
     };
-    let kept = (bytes.len() <= options.max_response_bytes).then(|| bytes.clone());
     let stored =
         idem_upstream::headers::to_stored(status, &head.headers, kept, options.store_set_cookie);
     let completed = in_tx::complete(&mut tx, &scope, attempt, &fingerprint, &stored, options.ttl);
@@ -273,6 +274,11 @@ where
         }
         Err(error) => return Err(unavailable(&scope, "complete", &error)),
     };
+    if stored.body.len() > LARGE {
+        // Its buffers grew to the body's size: back to their usual size before the
+        // connection returns to the pool.
+        tx.shrink_buffers();
+    }
     failpoint::stop_here("embedded-before-commit");
     if let Err(error) = tx.commit().await {
         return Err(if in_tx::rolled_back(&error) {
@@ -300,7 +306,7 @@ where
         shared.replays.fill(&scope, &entry, left).await;
     }
     head.headers.remove(header::CONTENT_LENGTH);
-    let mut response = Response::from_parts(head, Body::from(bytes));
+    let mut response = Response::from_parts(head, body);
     idem_http::set_expires(&mut response, expires_at);
     Ok(response)
 }
@@ -322,9 +328,17 @@ async fn claim_on(
         .begin_with(sqlx::AssertSqlSafe(begin))
         .await
         .map_err(|error| unavailable(claim.scope, "begin", &error))?;
-    let claimed = in_tx::claim(&mut tx, claim, shared.settings.lock_wait)
+    let claimed = in_tx::claim(&mut tx, claim, shared.settings.lock_wait, &shared.bodies)
         .await
-        .map_err(|error| unavailable(claim.scope, "claim", &error))?;
+        .map_err(|error| {
+            if error.is_busy() {
+                // A large stored answer would go past `max_replay_bytes_in_flight`.
+                tracing::warn!(scope = ?claim.scope, %error, "refused: too many stored answers in flight");
+                Problem::Overloaded
+            } else {
+                unavailable(claim.scope, "claim", &error)
+            }
+        })?;
     Ok((tx, claimed))
 }
 
@@ -340,79 +354,14 @@ pub(crate) fn begin_waiting(wait: Duration) -> String {
     )
 }
 
-/// What a live record found by the claim answers. `read`: when the statement that read
-/// it was answered, to hold a copy no longer than the row lives.
-async fn existing(shared: &Shared, scope: &Scope, verdict: Verdict, read: Instant) -> Response {
-    let outcome = match verdict.decide(read.elapsed(), false) {
-        Decision::Replay {
-            entry,
-            keep_for,
-            waited,
-        } => {
-            if let Some(left) = keep_for
-                && !entry.response.body_omitted
-            {
-                shared.replays.fill(scope, &entry, left).await;
-            }
-            verdict::replayed(entry, waited)
-        }
-        Decision::Answer(outcome) => outcome,
-        Decision::Running(record) => verdict::in_progress(&record, false),
-    };
-    respond(shared, outcome)
-}
+/// A body this large leaves the connection that carried it with its buffers shrunk back.
+const LARGE: usize = 1 << 20;
 
-/// The answer to an outcome decided without running the handler: a replay's, a
-/// conflict's span links to the first execution, as at the gateway.
-fn respond(shared: &Shared, outcome: Outcome<Infallible>) -> Response {
-    if let Some(first) = outcome.first_execution() {
-        propagation::link(&Span::current(), first);
+fn record_bytes(record: &idem_core::Record) -> usize {
+    match &record.state {
+        idem_core::RecordState::Completed(response) => response.body.len(),
+        idem_core::RecordState::InProgress { .. } => 0,
     }
-    record_outcome(outcome.name());
-    idem_http::answer(
-        outcome,
-        shared.settings.mismatch_status,
-        None,
-        |never: Infallible| match never {},
-    )
-}
-
-/// Names what the request came to on its `idemgate.request` span.
-fn record_outcome(name: &'static str) {
-    Span::current().record("idempotency.outcome", name);
-}
-
-/// The handler's answer to a request that was rolled back: as it came, with
-/// `operation_state: not_executed` and `safe_new_key: true` added when it is a problem
-/// document (RFC 9457), so the client knows the key is free.
-async fn not_executed(response: Response, limit: usize) -> Response {
-    let is_problem = response
-        .headers()
-        .get(header::CONTENT_TYPE)
-        .and_then(|v| v.to_str().ok())
-        .is_some_and(|ct| ct.starts_with("application/problem+json"));
-    if !is_problem {
-        return response;
-    }
-    let (mut head, body) = response.into_parts();
-    let bytes = match http_body_util::Limited::new(body, limit).collect().await {
-        Ok(collected) => collected.to_bytes(),
-        Err(_) => return Problem::Internal.into_response(),
-    };
-    let body = match serde_json::from_slice::<serde_json::Value>(&bytes) {
-        Ok(serde_json::Value::Object(mut problem)) => {
-            problem.insert("operation_state".into(), NOT_EXECUTED.into());
-            problem.insert("safe_new_key".into(), true.into());
-            head.headers.remove(header::CONTENT_LENGTH);
-            Bytes::from(serde_json::Value::Object(problem).to_string())
-        }
-        _ => bytes,
-    };
-    head.headers.insert(
-        header::CONTENT_TYPE,
-        HeaderValue::from_static("application/problem+json"),
-    );
-    Response::from_parts(head, Body::from(body))
 }
 
 /// The ledger could not be used before anything was committed: nothing happened.

@@ -40,6 +40,7 @@
 //! - `gate`: one request per key at a time from this process; its duplicates wait in memory.
 #![forbid(unsafe_code)]
 
+mod answer;
 mod gate;
 pub mod layer;
 pub mod tx;
@@ -148,6 +149,7 @@ pub(crate) struct Settings {
     pub(crate) store_set_cookie: bool,
     pub(crate) replay_memory: Bounds,
     pub(crate) max_lock_waits: Option<usize>,
+    pub(crate) max_replay_bytes_in_flight: usize,
 }
 
 impl Default for Options {
@@ -176,6 +178,7 @@ impl Options {
                     bytes: 64 << 20,
                 },
                 max_lock_waits: None,
+                max_replay_bytes_in_flight: idem_postgres::ledger::bodies::DEFAULT_BUDGET,
             },
         }
     }
@@ -251,6 +254,14 @@ impl<T> Options<T> {
         self
     }
 
+    /// Stored answers over 64 KiB held in memory at once, for replays being read from
+    /// Postgres or sent (the gateway's `server.max_replay_bytes_in_flight`, default
+    /// 256 MiB); past it a replay that needs one is answered 503 `overloaded`.
+    pub fn max_replay_bytes_in_flight(mut self, bytes: usize) -> Self {
+        self.settings.max_replay_bytes_in_flight = bytes;
+        self
+    }
+
     /// How many pooled connections may wait at once on keys that another process's
     /// request holds uncommitted (default: a quarter of the pool, at least one). Beyond
     /// it such a duplicate is answered 409 in progress at once. Duplicates of a key this
@@ -279,6 +290,8 @@ pub(crate) struct Shared {
     pub(crate) gates: gate::Gates,
     /// Connections that may wait on another process's claim at once.
     pub(crate) lock_waits: tokio::sync::Semaphore,
+    /// Large stored answers in memory, within `max_replay_bytes_in_flight`.
+    pub(crate) bodies: idem_postgres::ledger::bodies::Bodies,
     pub(crate) replays: Local<NoCache>,
     pub(crate) fingerprints: idem_http::Fingerprinter,
 }
@@ -294,6 +307,8 @@ impl Idempotency {
             .unwrap_or(pool.options().get_max_connections() as usize / 4)
             .max(1);
         let replays = Local::new(NoCache, settings.replay_memory);
+        let bodies =
+            idem_postgres::ledger::bodies::Bodies::new(settings.max_replay_bytes_in_flight);
         Self {
             shared: Arc::new(Shared {
                 pool,
@@ -302,6 +317,7 @@ impl Idempotency {
                 begin,
                 gates: gate::Gates::default(),
                 lock_waits: tokio::sync::Semaphore::new(lock_waits),
+                bodies,
                 replays,
                 fingerprints: idem_http::Fingerprinter::default(),
             }),

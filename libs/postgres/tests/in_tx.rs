@@ -8,6 +8,8 @@ mod common;
 
 use std::time::Duration;
 
+use idem_postgres::ledger::bodies::Bodies;
+
 use common::*;
 use idem_core::{AttemptId, BodyKind, Claim, ClaimResult, Fence, Fingerprint};
 use idem_postgres::ledger::claim::CLAIM_ONE_SQL;
@@ -51,9 +53,14 @@ async fn a_transactions_claim_and_completion_are_planned_once_per_connection_by_
             ttl: Duration::from_secs(60),
             trace_context: None,
         };
-        let claimed = in_tx::claim(&mut tx, &claim, Duration::from_secs(5))
-            .await
-            .unwrap();
+        let claimed = in_tx::claim(
+            &mut tx,
+            &claim,
+            Duration::from_secs(5),
+            &Bodies::new(1 << 20),
+        )
+        .await
+        .unwrap();
         assert!(matches!(claimed, ClaimResult::Claimed), "{claimed:?}");
         let fence = in_tx::complete(
             &mut tx,

@@ -271,6 +271,7 @@ async fn a_key_held_by_an_uncommitted_embedded_claim_is_in_progress_and_others_g
             trace_context: None,
         },
         Duration::from_secs(30),
+        &idem_postgres::ledger::bodies::Bodies::new(1 << 20),
     )
     .await
     .unwrap();

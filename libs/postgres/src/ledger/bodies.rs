@@ -62,8 +62,9 @@ enum Role {
 
 type Slots = Arc<Mutex<HashMap<Key, Slot>>>;
 
-/// The large bodies in memory, and their budget.
-pub(crate) struct Bodies {
+/// The large bodies in memory, and their budget: the gateway's ledger has one, and so
+/// does each embedded-mode service ([`super::in_tx::claim`]).
+pub struct Bodies {
     slots: Slots,
     /// The budget in KiB (a semaphore counts up to `u32` per acquire).
     budget: Arc<Semaphore>,
@@ -135,7 +136,8 @@ impl Drop for Unfinished<'_> {
 }
 
 impl Bodies {
-    pub(crate) fn new(budget_bytes: usize) -> Self {
+    /// At most `budget_bytes` of large bodies held at once.
+    pub fn new(budget_bytes: usize) -> Self {
         Self {
             slots: Arc::default(),
             budget: Arc::new(Semaphore::new(kib(budget_bytes) as usize)),
@@ -145,7 +147,7 @@ impl Bodies {
     }
 
     /// Bytes of large bodies held now (rounded up to KiB per body).
-    pub(crate) fn held_bytes(&self) -> usize {
+    pub fn held_bytes(&self) -> usize {
         let free = self.budget.available_permits();
         (kib(self.budget_bytes) as usize).saturating_sub(free) * 1024
     }

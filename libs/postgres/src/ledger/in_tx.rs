@@ -20,9 +20,10 @@ use idem_core::{
 };
 use sqlx::{PgConnection, Row};
 
+use super::CLAIM_ROUNDS;
+use super::bodies::{self, Bodies};
 use super::claim::{ClaimRow, Seen};
 use super::complete::CompleteRow;
-use super::{CLAIM_ROUNDS, bodies};
 
 /// Claims `claim.scope` on `conn` (inside a transaction): this attempt owns the key until
 /// the transaction ends, or the live record is returned, or [`ClaimResult::Locked`]:
@@ -34,8 +35,10 @@ pub async fn claim(
     conn: &mut PgConnection,
     claim: &Claim<'_>,
     lock_timeout_after: Duration,
+    bodies: &Bodies,
 ) -> Result<ClaimResult, LedgerError> {
     let row = ClaimRow::of(claim);
+    let scope = claim.scope;
     for _ in 0..CLAIM_ROUNDS {
         match row
             .write_one(conn, lock_timeout_after)
@@ -46,20 +49,30 @@ pub async fn claim(
             Some(Seen::Locked) => return Ok(ClaimResult::Locked),
             Some(Seen::Row(found)) => {
                 let mut record = found.record;
-                if found.body_to_read.is_some() {
-                    let body = sqlx::query(bodies::BODY_SQL)
-                        .bind(&claim.scope.tenant)
-                        .bind(&claim.scope.endpoint)
-                        .bind(claim.scope.key.as_str())
-                        .bind(record.attempt.0)
-                        .fetch_optional(&mut *conn)
-                        .await
-                        .map_err(LedgerError::new)?;
+                if let Some(len) = found.body_to_read {
+                    // A large stored answer: read within the replay budget (or refused,
+                    // busy), on this transaction's connection.
+                    let attempt = record.attempt.0;
+                    let on = &mut *conn;
+                    let read = move || async move {
+                        let body = sqlx::query(bodies::BODY_SQL)
+                            .bind(&scope.tenant)
+                            .bind(&scope.endpoint)
+                            .bind(scope.key.as_str())
+                            .bind(attempt)
+                            .fetch_optional(on)
+                            .await
+                            .map_err(LedgerError::new)?;
+                        body.map(|row| row.try_get::<Vec<u8>, _>("response_body"))
+                            .transpose()
+                            .map_err(LedgerError::new)
+                    };
                     // The row changed between the two reads (purged, taken over): again.
-                    let Some(body) = body else { continue };
-                    let body: Vec<u8> = body.try_get("response_body").map_err(LedgerError::new)?;
+                    let Some(body) = bodies.get((scope.clone(), attempt), len, read).await? else {
+                        continue;
+                    };
                     if let RecordState::Completed(response) = &mut record.state {
-                        response.body = body.into();
+                        response.body = body;
                     }
                 }
                 return Ok(ClaimResult::Existing(record));
