@@ -21,8 +21,8 @@ use hyper_util::rt::TokioExecutor;
 use serde::Deserialize;
 use tokio::time::Instant;
 
-use idem_upstream::error_chain;
-use idem_upstream::headers::max_age;
+use idem_core::error_chain;
+use idem_core::headers::max_age;
 
 use crate::keys::{self, KeySourceError};
 use crate::{Checks, KeySet};

@@ -13,11 +13,15 @@
 //! - [`engine`]: claim → execute → complete/release over those two.
 //! - [`local`]: a bounded in-process cache of completed responses over another cache.
 //! - [`reconcile`]: what the reconciler does with a key whose outcome is unknown.
+//! - [`headers`]: every header rule of the HTTP contract — the names idemgate reads and
+//!   sets, hop-by-hop stripping, what goes upstream, what is stored and replayed — shared
+//!   by the gateway, embedded mode, the reconciler and the identity provider's client.
 #![forbid(unsafe_code)]
 
 pub mod canonical;
 pub mod engine;
 pub mod fingerprint;
+pub mod headers;
 pub mod key;
 pub mod local;
 pub mod policy;
@@ -38,3 +42,17 @@ pub use ports::{
 pub use record::{AttemptId, Record, RecordState, StoredResponse};
 pub use scope::Scope;
 pub use verdict::Verdict;
+
+/// An error and its sources, `: `-separated, for a log line or a message. hyper's
+/// errors need it: hyper-util's own message is only "client error (Connect)", and the
+/// refused connection or the bad certificate is in its sources.
+pub fn error_chain(error: &(dyn std::error::Error + 'static)) -> String {
+    let mut message = error.to_string();
+    let mut source = error.source();
+    while let Some(cause) = source {
+        message.push_str(": ");
+        message.push_str(&cause.to_string());
+        source = cause.source();
+    }
+    message
+}

@@ -263,7 +263,7 @@ where
         }
     };
     let stored =
-        idem_upstream::headers::to_stored(status, &head.headers, kept, options.store_set_cookie);
+        idem_core::headers::to_stored(status, &head.headers, kept, options.store_set_cookie);
     let completed = in_tx::complete(&mut tx, &scope, attempt, &fingerprint, &stored, options.ttl);
     let expires_at = match completed.await {
         Ok(Completed::Recorded { expires_at }) => expires_at,

@@ -7,8 +7,8 @@ use std::time::{Duration, SystemTime};
 use axum::body::Body;
 use axum::response::{IntoResponse, Response};
 use http::{HeaderName, HeaderValue, StatusCode};
+use idem_core::headers::{self as h, IDEMPOTENT_REPLAYED, PREFERENCE_APPLIED};
 use idem_core::{Outcome, StoredResponse, UnknownCause};
-use idem_upstream::headers::{self as h, IDEMPOTENT_REPLAYED, PREFERENCE_APPLIED};
 
 use crate::problem::Problem;
 

@@ -22,4 +22,4 @@ pub use problem::Problem;
 /// it is a metrics label. Whoever answers puts it in the response's extensions; a
 /// [`Problem`] does so itself.
 #[derive(Debug, Clone, Copy)]
-pub struct Outcome(pub &'static str);
+pub struct OutcomeLabel(pub &'static str);

@@ -9,7 +9,8 @@
 //!   4xx naming what to fix; nothing was claimed;
 //! - `LedgerError` before anything ran → 503 `service-unavailable` (retry, same key);
 //!   after the upstream answered → 503 `outcome-unrecorded` (the key stays held);
-//! - `idem_upstream::NotSent` → 502 (the key was released); `Unknown` → 504 (held);
+//! - an upstream call provably not sent → 502 (the key was released); one whose outcome
+//!   is unknown → 504 (held);
 //! - Redis errors never reach a client: the breaker opens and Postgres answers alone.
 //!
 //! Causes go to the log (`tracing::error!`/`warn!` with the error's whole chain), not to
@@ -20,9 +21,10 @@ use std::time::Duration;
 use axum::response::{IntoResponse, Response};
 use http::{HeaderValue, StatusCode, header};
 use idem_auth::AuthError;
+use idem_core::KeyError;
 use serde_json::json;
 
-use crate::Outcome;
+use crate::OutcomeLabel;
 
 /// `operation_state` of an attempt that provably did nothing (its key was released, or
 /// its transaction rolled back): the same key, or a new one, is safe.
@@ -31,11 +33,20 @@ pub const NOT_EXECUTED: &str = "not_executed";
 /// The base of every problem `type` URI.
 pub const TYPE_BASE: &str = "https://idemgate.dev/problems/";
 
+/// Why an `Idempotency-Key` header was refused. The message is safe to show the client.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum KeyHeaderError {
+    #[error("send exactly one Idempotency-Key header")]
+    Repeated,
+    #[error(transparent)]
+    Invalid(#[from] KeyError),
+}
+
 /// A client-visible failure. Mapping to HTTP happens here and only here.
 #[derive(Debug)]
 pub enum Problem {
     KeyMissing,
-    KeyInvalid(crate::request::KeyHeaderError),
+    KeyInvalid(KeyHeaderError),
     KeyReused {
         status: u16,
         /// Whether the operation the key belongs to is completed (else in progress).
@@ -300,7 +311,9 @@ impl IntoResponse for Problem {
             body["safe_new_key"] = safe_new_key.into();
         }
         let mut response = (status, body.to_string()).into_response();
-        response.extensions_mut().insert(Outcome(self.outcome()));
+        response
+            .extensions_mut()
+            .insert(OutcomeLabel(self.outcome()));
         let headers = response.headers_mut();
         headers.insert(
             header::CONTENT_TYPE,

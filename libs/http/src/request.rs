@@ -8,10 +8,10 @@ use axum::body::Body;
 use bytes::Bytes;
 use http::header::{self, HeaderMap};
 use http_body_util::{BodyExt, Limited};
-use idem_core::{IdempotencyKey, KeyError};
-use idem_upstream::headers::IDEMPOTENCY_KEY;
+use idem_core::IdempotencyKey;
+use idem_core::headers::IDEMPOTENCY_KEY;
 
-use crate::problem::Problem;
+use crate::problem::{KeyHeaderError, Problem};
 
 pub fn bearer(headers: &HeaderMap) -> Result<&str, idem_auth::AuthError> {
     use idem_auth::AuthError;
@@ -28,15 +28,6 @@ pub fn bearer(headers: &HeaderMap) -> Result<&str, idem_auth::AuthError> {
         }
         _ => Err(AuthError::Missing),
     }
-}
-
-/// Why an `Idempotency-Key` header was refused. The message is safe to show the client.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum KeyHeaderError {
-    #[error("send exactly one Idempotency-Key header")]
-    Repeated,
-    #[error(transparent)]
-    Invalid(#[from] KeyError),
 }
 
 pub fn idempotency_key(headers: &HeaderMap) -> Result<Option<IdempotencyKey>, KeyHeaderError> {

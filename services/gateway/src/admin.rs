@@ -19,22 +19,27 @@ use axum::extract::rejection::PathRejection;
 use axum::extract::{Path, RawQuery, Request, State};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
-use axum::routing::{get, post};
-use http::header;
+use axum::routing::{MethodRouter, get, post};
 use idem_core::{AttemptId, IdempotencyKey, Scope};
 use idem_postgres::OperatorRelease;
 use secrecy::{ExposeSecret, SecretString};
 use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 
-use crate::app::AppState;
-use crate::lookup::{self, Params, invalid, no_nul};
-use crate::openapi::ProblemDoc;
-use crate::operator::OperatorKey;
+use crate::listing::{Params, ProblemDoc, invalid, no_nul};
+use crate::lookup;
+use crate::operator::{KeyState, OperatorKey};
 use crate::problem::Problem;
+use crate::state::AppState;
 
 /// The admin API's routes, behind its bearer token.
-pub fn router(state: Arc<AppState>, token: SecretString) -> Router {
+/// The admin API's routes, behind the bearer token; `document` serves its OpenAPI
+/// description (given by the caller: the document is generated from these handlers).
+pub fn router(
+    state: Arc<AppState>,
+    token: SecretString,
+    document: MethodRouter<Arc<AppState>>,
+) -> Router {
     let token = Arc::new(token);
     Router::new()
         .route(
@@ -50,7 +55,7 @@ pub fn router(state: Arc<AppState>, token: SecretString) -> Router {
             post(release).fallback(only_post),
         )
         .route("/admin/v1/held", get(held).fallback(only_get))
-        .route("/admin/v1/openapi.json", get(openapi).fallback(only_get))
+        .route("/admin/v1/openapi.json", document.fallback(only_get))
         .fallback(not_found)
         .layer(axum::middleware::from_fn(move |request, next| {
             authorize(token.clone(), request, next)
@@ -60,13 +65,9 @@ pub fn router(state: Arc<AppState>, token: SecretString) -> Router {
 
 /// Every call, the document included, names the token: the API is an operator's only.
 async fn authorize(token: Arc<SecretString>, request: Request, next: Next) -> Response {
-    let sent = request
-        .headers()
-        .get(header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "));
-    match sent {
-        Some(sent) if same(sent.as_bytes(), token.expose_secret().as_bytes()) => {
+    // The bearer as every other API of idemgate reads it (the scheme in any case).
+    match idem_http::request::bearer(request.headers()) {
+        Ok(sent) if same(sent.as_bytes(), token.expose_secret().as_bytes()) => {
             next.run(request).await
         }
         _ => Problem::AdminUnauthorized.into_response(),
@@ -157,7 +158,7 @@ pub struct OperatorKeyPage {
     params(
         ("tenant" = String, Path, description = "The tenant whose keys to list", pattern = r"^[^\u0000]*$"),
         ("endpoint" = Option<String>, Query, description = "Only this endpoint's keys", pattern = r"^[^\u0000]*$"),
-        ("state" = Option<String>, Query, description = "Only keys in this state (`unknown`: held)", pattern = "^(in_progress|completed|unknown)$"),
+        ("state" = Option<String>, Query, description = "Only keys in this state: `held` (or the lookup's word for it, `unknown`), `in_progress` or `completed`", pattern = "^(in_progress|completed|held|unknown)$"),
         ("limit" = Option<i64>, Query, description = "At most this many keys (default 50)", minimum = 1, maximum = 100),
         ("cursor" = Option<String>, Query, description = "The `next_cursor` of the page before", pattern = "^([0-9a-fA-F]{2})+$"),
     ),
@@ -175,7 +176,8 @@ pub async fn list(
 ) -> Result<Response, Problem> {
     let Path(tenant) = tenant.map_err(|e| invalid(&e.body_text()))?;
     no_nul("tenant", &tenant)?;
-    let (page, next_cursor) = lookup::page(&app, &tenant, query.as_deref()).await?;
+    let (page, next_cursor) =
+        lookup::page(&app, &tenant, query.as_deref(), KeyState::parse_either_word).await?;
     Ok(Json(OperatorKeyPage {
         next_cursor,
         keys: page.iter().map(OperatorKey::from).collect(),
@@ -315,20 +317,6 @@ pub async fn release(
                 .unwrap_or_default(),
         )),
     }
-}
-
-#[utoipa::path(
-    get,
-    path = "/admin/v1/openapi.json",
-    tag = "admin",
-    security(("admin_token" = [])),
-    responses(
-        (status = 200, description = "This document (OpenAPI 3.1)", content_type = "application/json"),
-        (status = 401, description = "Not the admin token", body = ProblemDoc, content_type = "application/problem+json"),
-    ),
-)]
-pub async fn openapi() -> Response {
-    Json(crate::openapi::document()).into_response()
 }
 
 #[cfg(test)]

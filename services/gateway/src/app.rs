@@ -5,84 +5,28 @@
 use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::AtomicBool;
 use std::time::Duration;
 
 use anyhow::Context;
 use axum::Router;
-use axum::extract::State;
 use axum::handler::Handler;
-use axum::response::{IntoResponse, Response};
 use axum::routing::get;
-use http::StatusCode;
 use idem_auth::Authenticator;
+use idem_config::Config;
 use idem_core::local::{Bounds, Local};
 use idem_core::{Engine, MaybeCache};
 use idem_postgres::{PgLedger, PoolSettings};
 use idem_redis::{RedisCache, RedisSettings};
+use idem_upstream as upstream;
 use secrecy::ExposeSecret;
-use serde_json::json;
 use tokio::net::TcpListener;
 use tokio_util::task::TaskTracker;
 
 use crate::limits::{self, RequestLimits};
+use crate::state::AppState;
 use crate::tenants::{self, TenantTable};
-use crate::{handler, lookup, observe, server};
-use idem_config::Config;
-use idem_config::RouteTable;
-use idem_upstream::{self as upstream, HttpClient};
-
-/// Everything a request needs, shared by all of them.
-pub struct AppState {
-    pub auth: Authenticator,
-    pub routes: RouteTable,
-    pub engine: Engine<PgLedger, MaybeCache<Local<RedisCache>>>,
-    pub client: HttpClient,
-    /// Each tenant's policy, body limit and quotas (see [`crate::tenants`]).
-    pub tenants: TenantTable,
-    pub body_read_timeout: Duration,
-    /// Head size and requests in flight (see [`crate::limits`]).
-    pub limits: RequestLimits,
-    /// Fingerprints of large bodies, off the async workers and bounded.
-    pub fingerprints: idem_http::Fingerprinter,
-    /// Forward-and-store tasks, awaited on shutdown.
-    pub tasks: TaskTracker,
-    /// Completions that lost the fence (the reconciler resolved the row first).
-    pub fenced: std::sync::atomic::AtomicU64,
-    /// Executions whose answer could not be recorded (503 `outcome-unrecorded`).
-    pub unrecorded: std::sync::atomic::AtomicU64,
-    /// Fetches and refreshes an identity provider's keys, for as long as the state lives.
-    pub key_refresh: Option<tokio_util::task::AbortOnDropHandle<()>>,
-    /// Whether a writable Postgres answered lately: refreshed in the background.
-    pub postgres_ready: Arc<AtomicBool>,
-    /// Refreshes `postgres_ready`, for as long as the state lives.
-    pub readiness: tokio_util::task::AbortOnDropHandle<()>,
-}
-
-/// Whether a writable Postgres answers within 2 s.
-async fn postgres_writable(ledger: &PgLedger) -> bool {
-    tokio::time::timeout(Duration::from_secs(2), ledger.writable())
-        .await
-        .is_ok_and(|answer| answer.is_ok_and(|writable| writable))
-}
-
-/// How often readiness asks Postgres, however many probes ask the gateway.
-const READINESS_EVERY: Duration = Duration::from_secs(1);
-
-/// Keeps `ready` true while a writable Postgres answers (one short query a second, so a
-/// flood of `/readyz` never reaches Postgres).
-async fn watch_readiness(ledger: PgLedger, ready: Arc<AtomicBool>) {
-    let start = tokio::time::Instant::now() + READINESS_EVERY;
-    let mut every = tokio::time::interval_at(start, READINESS_EVERY);
-    every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    loop {
-        every.tick().await;
-        let writable = postgres_writable(&ledger).await;
-        if ready.swap(writable, Ordering::Relaxed) != writable {
-            tracing::info!(ready = writable, "postgres readiness changed");
-        }
-    }
-}
+use crate::{handler, health, lookup, metrics, observe, server};
 
 /// A gateway, bound and ready to serve.
 pub struct Application {
@@ -115,7 +59,7 @@ impl Application {
         }
         let key_refresh = auth.start().map(tokio_util::task::AbortOnDropHandle::new);
         idem_telemetry::prometheus(); // record from the first request on
-        describe_metrics();
+        metrics::describe();
         let pool = idem_postgres::connect(
             config.postgres.url.expose_secret(),
             &PoolSettings::from(&config.postgres),
@@ -165,11 +109,10 @@ impl Application {
             .map_err(anyhow::Error::msg)
             .context("routes")?;
         // Known before the first request: a gateway that just started is ready at once.
-        let postgres_ready = Arc::new(AtomicBool::new(postgres_writable(&ledger).await));
-        let readiness = tokio_util::task::AbortOnDropHandle::new(tokio::spawn(watch_readiness(
-            ledger.clone(),
-            postgres_ready.clone(),
-        )));
+        let postgres_ready = Arc::new(AtomicBool::new(health::postgres_writable(&ledger).await));
+        let readiness = tokio_util::task::AbortOnDropHandle::new(tokio::spawn(
+            health::watch_readiness(ledger.clone(), postgres_ready.clone()),
+        ));
         let tenants = TenantTable::new(&config.tenants, &config.routes, server.max_body_bytes);
         let state = AppState {
             auth,
@@ -178,11 +121,11 @@ impl Application {
             engine: Engine::with_cache(ledger, cache),
             client: upstream::pooled_client(),
             body_read_timeout: server.body_read_timeout,
-            limits: RequestLimits::new(
+            limits: Arc::new(RequestLimits::new(
                 server.max_header_bytes,
                 server.max_headers,
                 server.max_concurrent_requests,
-            ),
+            )),
             fingerprints: idem_http::Fingerprinter::default(),
             tasks: TaskTracker::new(),
             fenced: Default::default(),
@@ -246,7 +189,8 @@ impl Application {
         let stopping = tokio_util::sync::CancellationToken::new();
         // The admin API stops accepting when the gateway does; its calls are short.
         let _admin = self.admin.map(|(listener, token)| {
-            let router = crate::admin::router(self.state.clone(), token);
+            let document = get(crate::openapi::serve);
+            let router = crate::admin::router(self.state.clone(), token, document);
             tokio_util::task::AbortOnDropHandle::new(tokio::spawn(server::serve(
                 listener,
                 router,
@@ -286,8 +230,8 @@ impl Application {
 pub fn router(state: Arc<AppState>) -> Router {
     Router::new()
         .route("/healthz", get(|| async { "ok" }))
-        .route("/readyz", get(readyz))
-        .route("/metrics", get(metrics))
+        .route("/readyz", get(health::readyz))
+        .route("/metrics", get(metrics::scrape))
         // The tenant's own lookup of its keys (DESIGN §14), traced and counted as requests.
         .route(
             lookup::KEYS,
@@ -305,7 +249,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         // metrics and the log line around the request itself.
         .fallback(handler::handle.layer(axum::middleware::from_fn(observe::observe)))
         .layer(axum::middleware::from_fn_with_state(
-            state.clone(),
+            state.limits.clone(),
             limits::enforce,
         ))
         .with_state(state)
@@ -314,188 +258,4 @@ pub fn router(state: Arc<AppState>) -> Router {
 /// Another method on the lookup's paths: 405, naming the one they answer.
 async fn not_here() -> crate::problem::Problem {
     crate::problem::Problem::MethodNotAllowed { allow: "GET" }
-}
-
-/// From what the background check last saw: a probe never reaches Postgres itself.
-async fn readyz(State(app): State<Arc<AppState>>) -> Response {
-    let postgres = app.postgres_ready.load(Ordering::Relaxed);
-    let redis = match app.engine.cache() {
-        MaybeCache::Some(cache) if cache.inner().stats().up => "up",
-        MaybeCache::Some(_) => "down (serving from Postgres alone)",
-        MaybeCache::None => "not configured",
-    };
-    // A provider's keys: until the first fetch succeeds no token can be verified.
-    let keys = app.auth.ready();
-    let mut body = json!({
-        "status": if postgres && keys { "ready" } else { "not ready" },
-        "postgres": if postgres { "up" } else { "down" },
-        "redis": redis,
-    });
-    if app.auth.remote_stats().is_some() {
-        body["auth_keys"] = json!(if keys { "loaded" } else { "not loaded yet" });
-    }
-    let status = if postgres && keys {
-        StatusCode::OK
-    } else {
-        StatusCode::SERVICE_UNAVAILABLE
-    };
-    (status, axum::Json(body)).into_response()
-}
-
-/// Prometheus text: the recorder's counters and histograms, plus the fast path's and
-/// the ledger's own counters, brought up to date at scrape time.
-async fn metrics(State(app): State<Arc<AppState>>) -> Response {
-    use idem_telemetry::metrics::{counter, gauge};
-    counter!("idemgate_ledger_statements_total").absolute(app.engine.ledger().calls());
-    counter!("idemgate_fenced_completions_total")
-        .absolute(app.fenced.load(std::sync::atomic::Ordering::Relaxed));
-    counter!("idemgate_outcome_unrecorded_total")
-        .absolute(app.unrecorded.load(std::sync::atomic::Ordering::Relaxed));
-    gauge!("idemgate_requests_in_flight").set(app.limits.in_use() as f64);
-    let bodies = app.engine.ledger().bodies();
-    gauge!("idemgate_replay_bytes_in_flight").set(bodies.held_bytes as f64);
-    counter!("idemgate_replay_body_reads_total").absolute(bodies.reads);
-    if let MaybeCache::Some(cache) = app.engine.cache() {
-        gauge!("idemgate_local_cache_entries").set(cache.len() as f64);
-        gauge!("idemgate_local_cache_bytes").set(cache.bytes() as f64);
-        let s = cache.inner().stats();
-        gauge!("idemgate_cache_up").set(f64::from(u8::from(s.up)));
-        counter!("idemgate_cache_hits_total").absolute(s.hits);
-        counter!("idemgate_cache_misses_total").absolute(s.misses);
-        counter!("idemgate_cache_errors_total").absolute(s.errors);
-        counter!("idemgate_cache_timeouts_total").absolute(s.timeouts);
-        counter!("idemgate_cache_skipped_total").absolute(s.skipped);
-        counter!("idemgate_cache_refused_total").absolute(s.refused);
-        gauge!("idemgate_cache_watched_channels").set(s.watched as f64);
-    }
-    if let Some(keys) = app.auth.remote_stats() {
-        gauge!("idemgate_jwks_keys").set(keys.keys as f64);
-        counter!("idemgate_jwks_fetches_total").absolute(keys.fetches);
-        counter!("idemgate_jwks_refresh_errors_total").absolute(keys.refresh_errors);
-        gauge!("idemgate_jwks_last_success_timestamp_seconds").set(keys.last_success_unix as f64);
-    }
-    (
-        [(http::header::CONTENT_TYPE, "text/plain; version=0.0.4")],
-        idem_telemetry::prometheus().render(),
-    )
-        .into_response()
-}
-
-fn describe_metrics() {
-    use idem_telemetry::metrics::{Unit, describe_counter, describe_gauge, describe_histogram};
-    describe_counter!(
-        "idemgate_requests_total",
-        "Requests by outcome and endpoint."
-    );
-    describe_histogram!(
-        "idemgate_request_duration_seconds",
-        Unit::Seconds,
-        "Request latency, by outcome and endpoint."
-    );
-    describe_histogram!(
-        "idemgate_upstream_duration_seconds",
-        Unit::Seconds,
-        "Upstream call latency, by endpoint."
-    );
-    describe_gauge!(
-        "idemgate_inflight_executions",
-        "Upstream executions in flight."
-    );
-    describe_gauge!(
-        "idemgate_requests_in_flight",
-        "Slots of server.max_concurrent_requests in use: requests, and the work of \
-         clients that hung up, until it ends."
-    );
-    describe_gauge!(
-        "idemgate_replay_bytes_in_flight",
-        "Stored bodies held for replays being read or sent (one copy per key), \
-         bounded by server.max_replay_bytes_in_flight."
-    );
-    describe_counter!(
-        "idemgate_replay_body_reads_total",
-        "Large stored bodies read from Postgres (one read serves every concurrent retry)."
-    );
-    describe_counter!(
-        "idemgate_ledger_statements_total",
-        "Calls to the Postgres ledger (claims and completions may share a statement)."
-    );
-    describe_counter!(
-        "idemgate_ledger_errors_total",
-        "Ledger statements that failed or timed out."
-    );
-    describe_counter!(
-        "idemgate_records_restored_total",
-        "Completions whose row had vanished and were written back (a failover lost acknowledged commits)."
-    );
-    describe_gauge!(
-        "idemgate_jwks_keys",
-        "Signing keys in the identity provider's set in use (0 until the first fetch)."
-    );
-    describe_counter!(
-        "idemgate_jwks_fetches_total",
-        "Fetches of the identity provider's keys (discovery and JWKS as one)."
-    );
-    describe_counter!(
-        "idemgate_jwks_refresh_errors_total",
-        "Fetches of the identity provider's keys that failed (the last good keys stayed)."
-    );
-    describe_gauge!(
-        "idemgate_jwks_last_success_timestamp_seconds",
-        "When a fetch of the identity provider's keys last succeeded (Unix time)."
-    );
-    describe_counter!(
-        "idemgate_fenced_completions_total",
-        "Late completions rejected by the fence."
-    );
-    describe_counter!(
-        "idemgate_outcome_unrecorded_total",
-        "Executions whose answer could not be recorded: 503 outcome-unrecorded, the key held for the reconciler."
-    );
-    describe_counter!(
-        "idemgate_tenant_throttled_total",
-        "Requests refused by a tenant's quota (429), by tenant (configured ones; others are `other`) and quota."
-    );
-    describe_gauge!("idemgate_cache_up", "1 while the Redis breaker is closed.");
-    describe_gauge!(
-        "idemgate_local_cache_entries",
-        "Completed responses held in this process."
-    );
-    describe_gauge!(
-        "idemgate_local_cache_bytes",
-        "Bytes held by the in-process replay cache."
-    );
-    describe_counter!(
-        "idemgate_cache_refused_total",
-        "Redis writes refused for lack of memory (the breaker stays closed)."
-    );
-    describe_gauge!(
-        "idemgate_cache_watched_channels",
-        "Redis pub/sub channels subscribed for retries waiting now."
-    );
-    describe_counter!("idemgate_cache_hits_total", "Replays served from Redis.");
-    describe_counter!(
-        "idemgate_cache_misses_total",
-        "Fast-path lookups without a cached response."
-    );
-    describe_counter!(
-        "idemgate_cache_errors_total",
-        "Redis calls that failed or timed out."
-    );
-    describe_counter!(
-        "idemgate_cache_timeouts_total",
-        "Of the failed Redis calls, those not answered within redis.timeout."
-    );
-    describe_counter!(
-        "idemgate_cache_skipped_total",
-        "Redis calls skipped while the breaker was open."
-    );
-    describe_counter!(
-        "idemgate_ledger_group_statements_total",
-        "Statements that wrote claims or completions (group commit), by operation."
-    );
-    describe_counter!(
-        "idemgate_ledger_group_rows_total",
-        "Claims or completions those statements carried, by operation: rows per \
-         statement is how much group commit shares."
-    );
 }

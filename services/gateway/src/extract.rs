@@ -9,11 +9,12 @@ use axum::extract::FromRequestParts;
 use http::request::Parts;
 use idem_config::Route;
 use idem_core::IdempotencyKey;
-pub use idem_http::request::{KeyHeaderError, bearer, idempotency_key, is_json, read_body};
+pub use idem_http::request::read_body;
+use idem_http::request::{bearer, idempotency_key};
 use tracing::Span;
 
-use crate::app::AppState;
 use crate::problem::Problem;
+use crate::state::AppState;
 
 /// The tenant the bearer token proves (401 without one).
 #[derive(Debug, Clone)]

@@ -13,21 +13,21 @@ use bytes::Bytes;
 use http::request::Parts;
 use http_body_util::Full;
 use idem_config::Route;
+use idem_core::headers as h;
 use idem_core::{Attempt, AttemptId, Execution, IdempotencyKey, Outcome, Scope, UnknownCause};
 use idem_telemetry::metrics::{gauge, histogram};
 use idem_telemetry::propagation;
-use idem_upstream::headers as h;
 use idem_upstream::{self as upstream, Forwarded};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, Span};
 
-use crate::app::AppState;
 use crate::extract::{Key, Matched, Tenant, read_body};
 use crate::limits::Slot;
 use crate::observe::{self, Endpoint};
 use crate::problem::Problem;
 use crate::respond::{passthrough, respond};
+use crate::state::AppState;
 
 /// Tenant, route and key are extracted before this runs; a rejection is the
 /// [`Problem`]'s response. Every answer from here on names the route's endpoint.
@@ -93,7 +93,7 @@ async fn serve(
             Forwarded::NotSent(_) => Problem::UpstreamUnavailable.into_response(),
             Forwarded::Unknown(_) => Problem::UpstreamTimeout.into_response(),
         };
-        return Ok((axum::Extension(observe::Outcome("proxied")), response).into_response());
+        return Ok((axum::Extension(observe::OutcomeLabel("proxied")), response).into_response());
     };
     let fingerprint = app
         .fingerprints
@@ -190,7 +190,7 @@ async fn serve(
     }
     span.record("idempotency.outcome", name);
     let response = respond(outcome, &route, wait);
-    Ok((axum::Extension(observe::Outcome(name)), response).into_response())
+    Ok((axum::Extension(observe::OutcomeLabel(name)), response).into_response())
 }
 
 /// What is sent upstream besides the body.

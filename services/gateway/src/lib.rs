@@ -1,7 +1,12 @@
 //! `idemgate`: the idempotency gateway's HTTP edge and proxy.
 //!
 //! # Layout
-//! - [`app`]: [`app::Application`] — build (connect, migrate, bind), serve, drain.
+//! - [`app`]: [`app::Application`] — build (connect, migrate, bind), the router, serve,
+//!   drain.
+//! - [`state`]: [`state::AppState`], what every request shares (a leaf: the handlers
+//!   import it, it imports none of them).
+//! - [`health`]: `/healthz`, and `/readyz` from a background check.
+//! - [`metrics`]: the catalogue of exported metrics, and `/metrics`.
 //! - [`handler`]: one request: extract → engine → respond.
 //! - [`extract`]: the extractors (tenant, matched route, key), the body and `Prefer: wait`.
 //! - [`observe`]: the `idemgate.request` span, request metrics and log line, as a layer.
@@ -12,6 +17,10 @@
 //! - [`limits`]: per-request limits (head size, requests in flight), as middleware.
 //! - [`operator`]: what `idemgate keys` prints about a key.
 //! - [`lookup`]: the tenant's own lookup of its keys (`/_idemgate/v1/keys`).
+//! - [`admin`]: the operator's admin API (`/admin/v1`, on `admin.listen`).
+//! - [`listing`]: what the lookup and the admin API share: paging, cursors, query
+//!   parameters and their errors, the problem schema.
+//! - [`openapi`]: the OpenAPI 3.1 document of both, generated from their handlers.
 //! - [`tenants`]: each tenant's policy, body limit and quotas (429 over them).
 //!
 //! Configuration and routes live in `idem-config`, the upstream client and header rules
@@ -22,13 +31,17 @@ pub mod admin;
 pub mod app;
 pub mod extract;
 pub mod handler;
+pub mod health;
 pub mod limits;
+pub mod listing;
 pub mod lookup;
+pub mod metrics;
 pub mod observe;
 pub mod openapi;
 pub mod operator;
 pub mod respond;
 pub mod server;
+pub mod state;
 pub mod tenants;
 
 pub use idem_http::problem;

@@ -16,7 +16,6 @@ use axum::response::{IntoResponse, Response};
 use idem_telemetry::metrics::counter;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
-use crate::app::AppState;
 use crate::problem::Problem;
 
 /// What the middleware holds to.
@@ -88,8 +87,11 @@ fn exempt(path: &str) -> bool {
     matches!(path, "/healthz" | "/readyz" | "/metrics")
 }
 
-pub async fn enforce(State(app): State<Arc<AppState>>, request: Request, next: Next) -> Response {
-    let limits = &app.limits;
+pub async fn enforce(
+    State(limits): State<Arc<RequestLimits>>,
+    request: Request,
+    next: Next,
+) -> Response {
     if let Some(why) = limits.head_refusal(&request) {
         return refuse(Problem::HeadersTooLarge(why));
     }

@@ -20,22 +20,19 @@ use idem_postgres::ledger::KeyInfo;
 use serde::Serialize;
 use utoipa::ToSchema;
 
-use crate::app::AppState;
 use crate::extract::Tenant;
-use crate::openapi::ProblemDoc;
+use crate::listing::{Params, ProblemDoc, encode_cursor, invalid};
+use crate::operator::KeyState;
 use crate::problem::Problem;
+use crate::state::AppState;
 
 /// Where the lookup lives (no route may be configured under `/_idemgate/`).
 pub const KEYS: &str = "/_idemgate/v1/keys";
 
 /// What an answered lookup came to, for `idemgate_requests_total{outcome}` (without it,
 /// a request whose answer names no outcome counts as an `error`).
-const LOOKUP: axum::Extension<crate::observe::Outcome> =
-    axum::Extension(crate::observe::Outcome("lookup"));
-
-/// The most keys one page holds, and how many it holds unless asked.
-const MAX_LIMIT: i64 = 100;
-const DEFAULT_LIMIT: i64 = 50;
+const LOOKUP: axum::Extension<crate::observe::OutcomeLabel> =
+    axum::Extension(crate::observe::OutcomeLabel("lookup"));
 
 /// `GET /_idemgate/v1/keys/{key}?endpoint=…`.
 #[utoipa::path(
@@ -106,22 +103,31 @@ pub async fn list(
     RawQuery(query): RawQuery,
 ) -> Result<Response, Problem> {
     let _quota = app.tenants.admit(&tenant)?;
-    let (page, next_cursor) = page(&app, &tenant, query.as_deref()).await?;
+    let (page, next_cursor) =
+        page(&app, &tenant, query.as_deref(), KeyState::parse_tenant_word).await?;
     let keys = page.iter().map(TenantKey::from).collect();
     Ok((LOOKUP, Json(TenantKeyPage { keys, next_cursor })).into_response())
 }
 
-/// A page of `tenant`'s live keys as the query (`endpoint`, `state`, `limit`, `cursor`)
-/// asks, and the cursor of the next page: the lookup's listing and the admin API's.
+/// A page of `tenant`'s live keys as the query (`endpoint`, `state` in the words `word`
+/// reads, `limit`, `cursor`) asks, and the cursor of the next page: the lookup's listing
+/// and the admin API's.
 pub(crate) async fn page(
     app: &AppState,
     tenant: &str,
     query: Option<&str>,
+    word: fn(&str) -> Option<KeyState>,
 ) -> Result<(Vec<KeyInfo>, Option<String>), Problem> {
     let params = Params::parse(query, &["endpoint", "state", "limit", "cursor"])?;
-    let state = match params.state.as_deref() {
-        None | Some("in_progress" | "completed" | "unknown") => params.state.as_deref(),
-        Some(_) => return Err(invalid("`state` is one of in_progress, completed, unknown")),
+    // The ledger's listing takes the tenant's word for a held key.
+    let state = match params.state.as_deref().map(word) {
+        None => None,
+        Some(Some(state)) => Some(state.tenant_word()),
+        Some(None) => {
+            return Err(invalid(
+                "`state` is one of in_progress, completed, unknown (held, to an operator)",
+            ));
+        }
     };
     let limit = params.limit()?;
     let after = params.after()?;
@@ -179,16 +185,12 @@ pub struct TenantKey {
 
 impl From<&KeyInfo> for TenantKey {
     fn from(info: &KeyInfo) -> Self {
-        let state = match (info.status.as_str(), info.held) {
-            ("completed", _) => "completed",
-            (_, true) => "unknown",
-            _ => "in_progress",
-        };
-        let completed = state == "completed";
+        let state = KeyState::of(info);
+        let completed = state == KeyState::Completed;
         Self {
             key: info.key.clone(),
             endpoint: info.endpoint.clone(),
-            state,
+            state: state.tenant_word(),
             created_at: time(&info.created_at),
             completed_at: info.completed_at.as_ref().map(time),
             // An in-progress key is remembered until it is settled, whatever its TTL.
@@ -218,126 +220,9 @@ fn trace_id(traceparent: &str) -> Option<String> {
     (id.len() == 32 && id.bytes().all(|b| b.is_ascii_hexdigit())).then(|| id.to_owned())
 }
 
-/// The last key of a page, as the next page's opaque cursor.
-fn encode_cursor(endpoint: &str, key: &str) -> String {
-    hex::encode(format!("{endpoint}\n{key}"))
-}
-
-/// A cursor is a position in (endpoint, key) order: whatever hex it holds is one (so a
-/// page after any position is well defined), and only what is not hex is refused.
-fn decode_cursor(cursor: &str) -> Option<(String, String)> {
-    let bytes = hex::decode(cursor).ok().filter(|b| !b.is_empty())?;
-    // Postgres text holds no NUL: a position is cut at one (it sorts first anyway).
-    let text = String::from_utf8_lossy(&bytes);
-    let text = text.split('\0').next().unwrap_or_default();
-    let (endpoint, key) = text.split_once('\n').unwrap_or((text, ""));
-    Some((endpoint.to_owned(), key.to_owned()))
-}
-
-pub(crate) fn invalid(why: &str) -> Problem {
-    Problem::RequestInvalid(why.to_owned())
-}
-
-/// Postgres text holds no NUL: a tenant, endpoint or cursor with one names nothing there.
-pub(crate) fn no_nul(name: &str, value: &str) -> Result<(), Problem> {
-    if value.contains('\0') {
-        return Err(invalid(&format!("`{name}` holds a NUL character")));
-    }
-    Ok(())
-}
-
-/// The query parameters a lookup (or an admin listing) takes; any other, or one given
-/// twice, is refused.
-#[derive(Debug, Default)]
-pub(crate) struct Params {
-    pub(crate) endpoint: Option<String>,
-    pub(crate) state: Option<String>,
-    pub(crate) limit: Option<String>,
-    pub(crate) cursor: Option<String>,
-}
-
-impl Params {
-    /// `limit`, from 1 to [`MAX_LIMIT`].
-    pub(crate) fn limit(&self) -> Result<i64, Problem> {
-        match self.limit.as_deref() {
-            None => Ok(DEFAULT_LIMIT),
-            Some(n) => n
-                .parse::<i64>()
-                .ok()
-                .filter(|n| (1..=MAX_LIMIT).contains(n))
-                .ok_or_else(|| {
-                    invalid(&format!("`limit` is a whole number from 1 to {MAX_LIMIT}"))
-                }),
-        }
-    }
-
-    /// Where the page starts: after the (endpoint, key) of `cursor`.
-    pub(crate) fn after(&self) -> Result<(String, String), Problem> {
-        match self.cursor.as_deref() {
-            None => Ok((String::new(), String::new())),
-            Some(cursor) => {
-                decode_cursor(cursor).ok_or_else(|| invalid("`cursor` is not one this API gave"))
-            }
-        }
-    }
-
-    pub(crate) fn parse(query: Option<&str>, allowed: &[&str]) -> Result<Self, Problem> {
-        let mut params = Self::default();
-        for (name, value) in form_urlencoded::parse(query.unwrap_or("").as_bytes()) {
-            let slot = match name.as_ref() {
-                "endpoint" => &mut params.endpoint,
-                "state" => &mut params.state,
-                "limit" => &mut params.limit,
-                "cursor" => &mut params.cursor,
-                _ => return Err(invalid(&format!("unknown query parameter {name:?}"))),
-            };
-            if !allowed.contains(&name.as_ref()) {
-                return Err(invalid(&format!("unknown query parameter {name:?}")));
-            }
-            no_nul(&name, &value)?;
-            if slot.replace(value.into_owned()).is_some() {
-                return Err(invalid(&format!("`{name}` is given twice")));
-            }
-        }
-        Ok(params)
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn cursors_round_trip_and_strangers_are_refused() {
-        let cursor = encode_cursor("POST /orders/{id}/refunds", "k-1");
-        assert_eq!(
-            decode_cursor(&cursor),
-            Some(("POST /orders/{id}/refunds".into(), "k-1".into()))
-        );
-        assert_eq!(decode_cursor("00"), Some((String::new(), String::new())));
-        for bad in ["", "zz", "0"] {
-            assert_eq!(decode_cursor(bad), None, "{bad:?}");
-        }
-        assert_eq!(
-            decode_cursor(&hex::encode("POST /p")),
-            Some(("POST /p".into(), String::new())),
-            "a position before every key of that endpoint"
-        );
-    }
-
-    #[test]
-    fn query_parameters_are_decoded_and_checked() {
-        let p = Params::parse(
-            Some("endpoint=POST%20%2Fpayments&limit=5"),
-            &["endpoint", "limit"],
-        )
-        .unwrap();
-        assert_eq!(p.endpoint.as_deref(), Some("POST /payments"));
-        assert_eq!(p.limit.as_deref(), Some("5"));
-        for bad in ["endpoint=a&endpoint=b", "nope=1", "state=completed"] {
-            assert!(Params::parse(Some(bad), &["endpoint"]).is_err(), "{bad}");
-        }
-    }
 
     #[test]
     fn the_trace_id_is_the_traceparents_second_field() {

@@ -1,6 +1,6 @@
 //! Observability as a layer around the request handler: the `idemgate.request` span
 //! (continuing the client's trace), the request metrics and the one log line per
-//! request. Whoever answers says what the request came to by putting an [`Outcome`]
+//! request. Whoever answers says what the request came to by putting an [`OutcomeLabel`]
 //! (and, once a route matched, an [`Endpoint`]) in the response's extensions; a
 //! [`crate::problem::Problem`] does so itself.
 
@@ -12,7 +12,7 @@ use idem_telemetry::propagation;
 use tokio::time::Instant;
 use tracing::Instrument;
 
-pub use idem_http::Outcome;
+pub use idem_http::OutcomeLabel;
 
 /// The matched route's endpoint (`"POST /payments"`), a metrics label.
 #[derive(Debug, Clone)]
@@ -27,7 +27,7 @@ pub async fn observe(request: Request, next: Next) -> Response {
     span.record("http.response.status_code", status);
     let outcome = response
         .extensions()
-        .get::<Outcome>()
+        .get::<OutcomeLabel>()
         .map_or("error", |o| o.0);
     // Taken, not cloned: the label is all it is for.
     let endpoint = response

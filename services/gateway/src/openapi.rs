@@ -3,23 +3,14 @@
 //! operator's admin API (`/admin/v1`, on `admin.listen`, the admin token). Served at
 //! `GET /admin/v1/openapi.json`.
 
-use serde::Serialize;
 use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityScheme};
-use utoipa::{Modify, OpenApi, ToSchema};
+use utoipa::{Modify, OpenApi};
 
+use axum::Json;
+use axum::response::{IntoResponse, Response};
+
+use crate::listing::ProblemDoc;
 use crate::{admin, lookup, operator};
-
-/// A problem document (RFC 9457), as every refusal of these APIs is written.
-#[derive(Debug, Serialize, ToSchema)]
-pub struct ProblemDoc {
-    /// `https://idemgate.dev/problems/<slug>`.
-    #[serde(rename = "type")]
-    #[schema(format = "uri")]
-    pub kind: String,
-    pub title: String,
-    pub status: u16,
-    pub detail: String,
-}
 
 #[derive(OpenApi)]
 #[openapi(
@@ -34,7 +25,7 @@ pub struct ProblemDoc {
         admin::list,
         admin::held,
         admin::release,
-        admin::openapi,
+        serve,
     ),
     components(schemas(
         ProblemDoc,
@@ -108,4 +99,19 @@ mod tests {
             );
         }
     }
+}
+
+/// `GET /admin/v1/openapi.json`, behind the admin token.
+#[utoipa::path(
+    get,
+    path = "/admin/v1/openapi.json",
+    tag = "admin",
+    security(("admin_token" = [])),
+    responses(
+        (status = 200, description = "This document (OpenAPI 3.1)", content_type = "application/json"),
+        (status = 401, description = "Not the admin token", body = ProblemDoc, content_type = "application/problem+json"),
+    ),
+)]
+pub async fn serve() -> Response {
+    Json(document()).into_response()
 }

@@ -5,13 +5,66 @@ use chrono::{DateTime, Utc};
 use idem_core::{AttemptId, Scope};
 use idem_postgres::{KeyInfo, OperatorRelease};
 
-/// Where a key stands, in the words of the `operation_state` of 409 problems (the README's "Status codes").
-pub fn state(info: &KeyInfo) -> &'static str {
-    match info.status.as_str() {
-        "completed" => "completed",
-        _ if info.held => "held",
-        _ => "in_progress",
+/// Where a key stands: completed, in progress (its first attempt running), or held (in
+/// progress with its lease over: the outcome is unknown until a probe, a policy or an
+/// operator settles it). One state, two words for the last: the operator's `held`
+/// (`idemgate keys`, the admin API) is the tenant's `unknown` (the lookup API, DESIGN
+/// §14, in the words of the `operation_state` of 409 problems).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KeyState {
+    InProgress,
+    Completed,
+    Held,
+}
+
+impl KeyState {
+    pub fn of(info: &KeyInfo) -> Self {
+        match info.status.as_str() {
+            "completed" => Self::Completed,
+            _ if info.held => Self::Held,
+            _ => Self::InProgress,
+        }
     }
+
+    /// In the operator's words: `in_progress`, `completed`, `held`.
+    pub fn operator_word(self) -> &'static str {
+        match self {
+            Self::Held => "held",
+            other => other.tenant_word(),
+        }
+    }
+
+    /// In the tenant's words: `in_progress`, `completed`, `unknown`.
+    pub fn tenant_word(self) -> &'static str {
+        match self {
+            Self::InProgress => "in_progress",
+            Self::Completed => "completed",
+            Self::Held => "unknown",
+        }
+    }
+
+    /// A `state=` filter in the tenant's words (the lookup API's).
+    pub fn parse_tenant_word(word: &str) -> Option<Self> {
+        match word {
+            "in_progress" => Some(Self::InProgress),
+            "completed" => Some(Self::Completed),
+            "unknown" => Some(Self::Held),
+            _ => None,
+        }
+    }
+
+    /// A `state=` filter in either's words (the admin API's).
+    pub fn parse_either_word(word: &str) -> Option<Self> {
+        match word {
+            "held" => Some(Self::Held),
+            other => Self::parse_tenant_word(other),
+        }
+    }
+}
+
+/// Where a key stands, in the operator's words.
+pub fn state(info: &KeyInfo) -> &'static str {
+    KeyState::of(info).operator_word()
 }
 
 /// A key in words, one fact per line.

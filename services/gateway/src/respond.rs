@@ -7,7 +7,7 @@ use axum::body::Body;
 use axum::response::Response;
 use idem_config::Route;
 use idem_core::Outcome;
-use idem_upstream::headers as h;
+use idem_core::headers as h;
 use idem_upstream::{ResponseBody, UpstreamResponse};
 
 pub fn respond(

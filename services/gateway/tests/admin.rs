@@ -262,3 +262,26 @@ async fn pay_replays(http: &Http, gw: &Gateway, key: &str) -> bool {
         .await
         .replayed()
 }
+
+/// The admin token is read from `Authorization` as every bearer of idemgate is: the
+/// scheme in any case (RFC 9110 §11.1). (On d90d3dd the admin API had its own parse,
+/// which took only `Bearer `: "`bearer` in this case, left: 401, right: 200".)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_admin_token_is_read_as_every_bearer_is() {
+    let (_db, gw, http) = gateway().await;
+    for scheme in ["Bearer", "bearer", "BEARER"] {
+        let answer = http
+            .get(&gw.admin_url("/admin/v1/held"))
+            .header("authorization", &format!("{scheme} {TOKEN}"))
+            .send()
+            .await;
+        assert_eq!(answer.status, StatusCode::OK, "`{scheme}` in this case");
+    }
+    let twice = http
+        .get(&gw.admin_url("/admin/v1/held"))
+        .bearer(TOKEN)
+        .bearer(TOKEN)
+        .send()
+        .await;
+    assert_eq!(twice.status, StatusCode::UNAUTHORIZED, "two tokens");
+}

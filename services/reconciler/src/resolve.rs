@@ -9,12 +9,12 @@ use bytes::Bytes;
 use http::{HeaderValue, Method, Request};
 use http_body_util::Full;
 use idem_config::{Probe, Route};
+use idem_core::headers::{IDEMPOTENCY_ATTEMPT, IDEMPOTENCY_KEY, X_TENANT_ID, to_stored};
 use idem_core::reconcile::{self as rules, History, ProbeAnswer, Released, Resolution, Rules};
 use idem_core::{Fence, LedgerError, StoredResponse};
 use idem_postgres::{Later, StuckRow};
 use idem_telemetry::propagation;
 use idem_upstream::Forwarded;
-use idem_upstream::headers::{IDEMPOTENCY_ATTEMPT, IDEMPOTENCY_KEY, X_TENANT_ID, to_stored};
 use tracing::Instrument;
 
 use crate::Reconciler;

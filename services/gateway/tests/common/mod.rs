@@ -19,7 +19,7 @@ pub struct Gateway {
     pub admin: Option<SocketAddr>,
     /// Upstream processes that live as long as this gateway.
     upstreams: Vec<Demo>,
-    pub state: std::sync::Arc<idemgate::app::AppState>,
+    pub state: std::sync::Arc<idemgate::state::AppState>,
     stop: Option<tokio::sync::oneshot::Sender<()>>,
     pub task: Option<tokio::task::JoinHandle<anyhow::Result<()>>>,
 }

@@ -5,9 +5,9 @@
 
 use std::time::Duration;
 
+use crate::{AttemptId, IdempotencyKey, StoredResponse};
 use bytes::Bytes;
 use http::header::{self, AsHeaderName, HeaderMap, HeaderName, HeaderValue};
-use idem_core::{AttemptId, IdempotencyKey, StoredResponse};
 
 pub const IDEMPOTENCY_KEY: HeaderName = HeaderName::from_static("idempotency-key");
 pub const IDEMPOTENCY_ATTEMPT: HeaderName = HeaderName::from_static("idempotency-attempt");

@@ -1,0 +1,146 @@
+//! What the tenant's lookup and the operator's admin API share: paging through keys
+//! (`limit`, an opaque `cursor`), their query parameters and the 400s for them, and the
+//! problem document's schema in their OpenAPI description.
+
+use serde::Serialize;
+use utoipa::ToSchema;
+
+use crate::problem::Problem;
+
+/// The most keys on a page, and how many when `limit` is not given.
+pub(crate) const MAX_LIMIT: i64 = 100;
+pub(crate) const DEFAULT_LIMIT: i64 = 50;
+
+/// A problem document (RFC 9457), as every refusal of these APIs is written.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct ProblemDoc {
+    /// `https://idemgate.dev/problems/<slug>`.
+    #[serde(rename = "type")]
+    #[schema(format = "uri")]
+    pub kind: String,
+    pub title: String,
+    pub status: u16,
+    pub detail: String,
+}
+
+/// The last key of a page, as the next page's opaque cursor.
+pub(crate) fn encode_cursor(endpoint: &str, key: &str) -> String {
+    hex::encode(format!("{endpoint}\n{key}"))
+}
+
+/// A cursor is a position in (endpoint, key) order: whatever hex it holds is one (so a
+/// page after any position is well defined), and only what is not hex is refused.
+fn decode_cursor(cursor: &str) -> Option<(String, String)> {
+    let bytes = hex::decode(cursor).ok().filter(|b| !b.is_empty())?;
+    // Postgres text holds no NUL: a position is cut at one (it sorts first anyway).
+    let text = String::from_utf8_lossy(&bytes);
+    let text = text.split('\0').next().unwrap_or_default();
+    let (endpoint, key) = text.split_once('\n').unwrap_or((text, ""));
+    Some((endpoint.to_owned(), key.to_owned()))
+}
+
+pub(crate) fn invalid(why: &str) -> Problem {
+    Problem::RequestInvalid(why.to_owned())
+}
+
+/// Postgres text holds no NUL: a tenant, endpoint or cursor with one names nothing there.
+pub(crate) fn no_nul(name: &str, value: &str) -> Result<(), Problem> {
+    if value.contains('\0') {
+        return Err(invalid(&format!("`{name}` holds a NUL character")));
+    }
+    Ok(())
+}
+
+/// The query parameters a lookup (or an admin listing) takes; any other, or one given
+/// twice, is refused.
+#[derive(Debug, Default)]
+pub(crate) struct Params {
+    pub(crate) endpoint: Option<String>,
+    pub(crate) state: Option<String>,
+    pub(crate) limit: Option<String>,
+    pub(crate) cursor: Option<String>,
+}
+
+impl Params {
+    /// `limit`, from 1 to [`MAX_LIMIT`].
+    pub(crate) fn limit(&self) -> Result<i64, Problem> {
+        match self.limit.as_deref() {
+            None => Ok(DEFAULT_LIMIT),
+            Some(n) => n
+                .parse::<i64>()
+                .ok()
+                .filter(|n| (1..=MAX_LIMIT).contains(n))
+                .ok_or_else(|| {
+                    invalid(&format!("`limit` is a whole number from 1 to {MAX_LIMIT}"))
+                }),
+        }
+    }
+
+    /// Where the page starts: after the (endpoint, key) of `cursor`.
+    pub(crate) fn after(&self) -> Result<(String, String), Problem> {
+        match self.cursor.as_deref() {
+            None => Ok((String::new(), String::new())),
+            Some(cursor) => {
+                decode_cursor(cursor).ok_or_else(|| invalid("`cursor` is not one this API gave"))
+            }
+        }
+    }
+
+    pub(crate) fn parse(query: Option<&str>, allowed: &[&str]) -> Result<Self, Problem> {
+        let mut params = Self::default();
+        for (name, value) in form_urlencoded::parse(query.unwrap_or("").as_bytes()) {
+            let slot = match name.as_ref() {
+                "endpoint" => &mut params.endpoint,
+                "state" => &mut params.state,
+                "limit" => &mut params.limit,
+                "cursor" => &mut params.cursor,
+                _ => return Err(invalid(&format!("unknown query parameter {name:?}"))),
+            };
+            if !allowed.contains(&name.as_ref()) {
+                return Err(invalid(&format!("unknown query parameter {name:?}")));
+            }
+            no_nul(&name, &value)?;
+            if slot.replace(value.into_owned()).is_some() {
+                return Err(invalid(&format!("`{name}` is given twice")));
+            }
+        }
+        Ok(params)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cursors_round_trip_and_strangers_are_refused() {
+        let cursor = encode_cursor("POST /orders/{id}/refunds", "k-1");
+        assert_eq!(
+            decode_cursor(&cursor),
+            Some(("POST /orders/{id}/refunds".into(), "k-1".into()))
+        );
+        assert_eq!(decode_cursor("00"), Some((String::new(), String::new())));
+        for bad in ["", "zz", "0"] {
+            assert_eq!(decode_cursor(bad), None, "{bad:?}");
+        }
+        assert_eq!(
+            decode_cursor(&hex::encode("POST /p")),
+            Some(("POST /p".into(), String::new())),
+            "a position before every key of that endpoint"
+        );
+    }
+
+    #[test]
+    fn query_parameters_are_decoded_and_checked() {
+        let p = Params::parse(
+            Some("endpoint=POST%20%2Fpayments&limit=5"),
+            &["endpoint", "limit"],
+        )
+        .unwrap();
+        assert_eq!(p.endpoint.as_deref(), Some("POST /payments"));
+        assert_eq!(p.limit.as_deref(), Some("5"));
+        for bad in ["endpoint=a&endpoint=b", "nope=1", "state=completed"] {
+            assert!(Params::parse(Some(bad), &["endpoint"]).is_err(), "{bad}");
+        }
+    }
+}
