@@ -251,7 +251,7 @@ class ChartTest(unittest.TestCase):
         self.assertEqual(used - exported, set(), "metrics no code exports")
 
     def test_limits_are_values_with_the_binarys_defaults(self):
-        # The defaults of the README's limits table, as the binary has them.
+        # The defaults of the limits table in docs/configuration.md, as the binary has them.
         config = tomllib.loads(by_kind(render({}), "ConfigMap", "idemgate")[0]["data"]["idemgate.toml"])
         self.assertEqual({k: config["server"][k] for k in LIMITS["server"]}, LIMITS["server"])
         self.assertEqual(config["redis"]["local_cache_bytes"], LIMITS["redis"]["local_cache_bytes"])

@@ -1,4 +1,4 @@
-// A noisy tenant beside a calm one (DESIGN §14): the calm tenant pays with new keys at
+// A noisy tenant beside a calm one (docs/tenants.md): the calm tenant pays with new keys at
 // CALM_RATE a second (300 unless set); with NOISY=1, another tenant sends NOISY_RATE a
 // second (1000 unless set: ten times the rate its [tenants.<id>] entry allows in
 // loadtest/bench) at the same time. The calm tenant's answers must all be 201 whatever the

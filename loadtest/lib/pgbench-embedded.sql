@@ -1,7 +1,8 @@
--- (m) The Postgres work of one embedded-mode request with a new key (idem-embedded, DESIGN
--- §13), as one-row statements: (f)'s claim, the demo's insert and the completion in one
--- transaction with its lock wait, one commit. What embedded mode would cost Postgres with
--- statements planned once per connection: the ceiling of case (k).
+-- (m) A simpler, hand-written form of the Postgres work of one embedded-mode request with a
+-- new key (idem-embedded, docs/embedded-mode.md): an insert-only claim, the demo's insert and
+-- a plain completion update in one transaction with its lock wait, one commit. Not case
+-- (k)'s own statements (its claim also reads a live row and returns the record, its
+-- completion locks its row first): the same round trips with less work in each.
 \set n random(1, 9000000000000000000)
 BEGIN;
 SET LOCAL lock_timeout = '5000ms';

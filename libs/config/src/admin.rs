@@ -1,4 +1,4 @@
-//! `[admin]`: the operator's HTTP API (DESIGN §14), off unless `admin.listen` is set.
+//! `[admin]`: the operator's HTTP API (docs/operations.md), off unless `admin.listen` is set.
 //!
 //! | key | default | meaning |
 //! | --- | --- | --- |

@@ -30,7 +30,7 @@ pub struct IdempotencyConfig {
     pub wait_timeout: Duration,
     /// The status of a key reused with a different request: 409 or 422.
     pub mismatch_status: u16,
-    /// Embedded mode (DESIGN §13): how long a duplicate waits on another request's
+    /// Embedded mode (docs/embedded-mode.md): how long a duplicate waits on another request's
     /// uncommitted claim before it is answered 409.
     #[serde(with = "humantime_serde")]
     pub lock_wait: Duration,

@@ -1,5 +1,5 @@
 //! `idem-config`: the configuration shared by the gateway and the reconciler — one TOML
-//! file plus `IDEMGATE_<SECTION>__<KEY>` environment overrides (the README's
+//! file plus `IDEMGATE_<SECTION>__<KEY>` environment overrides (docs/configuration.md's
 //! "Configuration"), parsed once at start-up into typed values. Every problem is a
 //! [`ConfigError`] naming the key at fault.
 //!

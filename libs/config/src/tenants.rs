@@ -1,4 +1,4 @@
-//! `[tenants.default]` and `[tenants.<id>]` (DESIGN §14): a tenant's own policy and
+//! `[tenants.default]` and `[tenants.<id>]` (docs/tenants.md): a tenant's own policy and
 //! quotas. `[tenants.default]` is every tenant without an entry of its own; a named
 //! entry takes each key it does not set from `[tenants.default]`. A tenant's policy keys
 //! win over the route's, which win over `[idempotency]` and `[server]`.
@@ -167,8 +167,8 @@ impl Tenants {
     }
 }
 
-/// The rules of every route's policy as each tenant sees it (DESIGN §4's lease rule among
-/// them), for the default entry and every named one.
+/// The rules of every route's policy as each tenant sees it (the lease rule of
+/// docs/configuration.md among them), for the default entry and every named one.
 pub(crate) fn check_routes(
     tenants: &Tenants,
     routes: &[Route],

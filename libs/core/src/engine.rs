@@ -126,7 +126,7 @@ pub enum Outcome<R> {
 }
 
 impl<R> Outcome<R> {
-    /// The `idempotency.outcome` name (the README's "Observability").
+    /// The `idempotency.outcome` name (docs/operations.md, "Observability").
     pub fn name(&self) -> &'static str {
         match self {
             Outcome::Executed { .. } => "executed",

@@ -1,4 +1,4 @@
-//! What the reconciler does with a key whose outcome is unknown (the README's "Unknown outcomes"), as one pure
+//! What the reconciler does with a key whose outcome is unknown (docs/operations.md, "Unknown outcomes"), as one pure
 //! function of the route's rules, what its status probe said, the row's history and the
 //! time. The reconciler only does the I/O around [`decide`].
 //!

@@ -1,4 +1,4 @@
-//! The reconciler's decisions, row by row of the README's "Unknown outcomes" table, with time as an input.
+//! The reconciler's decisions, row by row of the "Unknown outcomes" table in docs/operations.md, with time as an input.
 
 use std::time::{Duration, SystemTime};
 

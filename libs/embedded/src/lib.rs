@@ -1,5 +1,5 @@
 //! `idem-embedded`: idemgate's contract in-process, for an axum + sqlx service whose
-//! business data lives in the same Postgres as its idempotency records (DESIGN §13).
+//! business data lives in the same Postgres as its idempotency records (docs/embedded-mode.md).
 //!
 //! The gateway claims a key, calls the upstream and records its answer in three commits,
 //! so a crash between them leaves an unknown outcome for the reconciler. Here the claim,

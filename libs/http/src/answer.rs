@@ -12,7 +12,7 @@ use idem_core::{Outcome, StoredResponse, UnknownCause};
 
 use crate::problem::Problem;
 
-/// Until when a key is remembered (DESIGN §3), as an IMF-fixdate.
+/// Until when a key is remembered (docs/http-api.md), as an IMF-fixdate.
 pub const IDEMPOTENCY_EXPIRES: HeaderName = HeaderName::from_static("idempotency-expires");
 
 /// Answers an outcome. `first` turns the answer of the request that executed (or whose

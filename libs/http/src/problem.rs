@@ -65,7 +65,7 @@ pub enum Problem {
     Unauthorized(AuthError),
     /// An admin call without the bearer token of `admin.token_file`.
     AdminUnauthorized,
-    /// An operator's release that changed nothing, and why (DESIGN §6).
+    /// An operator's release that changed nothing, and why (docs/operations.md).
     ReleaseRefused(String),
     PayloadTooLarge {
         limit: usize,
@@ -78,7 +78,7 @@ pub enum Problem {
     },
     /// `server.max_concurrent_requests` are in flight.
     Overloaded,
-    /// The tenant is over its `rate` (DESIGN §14): its bucket has a request again after
+    /// The tenant is over its `rate` (docs/tenants.md): its bucket has a request again after
     /// `retry_after`.
     TenantRateLimited {
         retry_after: Duration,

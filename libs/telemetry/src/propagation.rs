@@ -87,7 +87,7 @@ pub fn trace_context(span: &Span, headers: &HeaderMap) -> Option<String> {
     traceparent(span).or_else(|| client_traceparent(headers))
 }
 
-/// The server span of one request, `idemgate.request` (attributes as DESIGN §8 names
+/// The server span of one request, `idemgate.request` (attributes as docs/operations.md names
 /// them, filled in as they become known), continuing the client's trace: the same span
 /// at the gateway and in embedded mode.
 pub fn request_span(method: &http::Method, path: &str, headers: &HeaderMap) -> Span {

@@ -76,7 +76,7 @@ impl Demo {
         Self::spawn(db, &[]).await
     }
 
-    /// The demo in embedded mode (DESIGN §13), with `config_text` as its
+    /// The demo in embedded mode (docs/embedded-mode.md), with `config_text` as its
     /// `PAYMENTS_DEMO_CONFIG` and `env` besides.
     pub async fn embedded(db: &TestDb, config_text: &str, env: &[(&str, &str)]) -> Self {
         let config = config_file(config_text);

@@ -1,6 +1,6 @@
-//! The operator's HTTP API (DESIGN §14), on its own listener (`admin.listen`), every call
+//! The operator's HTTP API (docs/operations.md), on its own listener (`admin.listen`), every call
 //! with the bearer token of `admin.token_file`: what `idemgate keys` does, under the same
-//! rules (DESIGN §6).
+//! rules (docs/operations.md).
 //!
 //! - `GET /admin/v1/tenants/{tenant}/keys/{key}?endpoint=…` → one key, every fact but its body.
 //! - `GET /admin/v1/tenants/{tenant}/keys?endpoint=…&state=…&limit=…&cursor=…` → a page.

@@ -232,7 +232,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/healthz", get(|| async { "ok" }))
         .route("/readyz", get(health::readyz))
         .route("/metrics", get(metrics::scrape))
-        // The tenant's own lookup of its keys (DESIGN §14), traced and counted as requests.
+        // The tenant's own lookup of its keys (docs/tenants.md), traced and counted as requests.
         .route(
             lookup::KEYS,
             get(lookup::list)

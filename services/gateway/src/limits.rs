@@ -1,4 +1,4 @@
-//! The per-request limits of the README's `server.*` keys, as one middleware in front of every route:
+//! The per-request limits of the `server.*` keys (docs/configuration.md), as one middleware in front of every route:
 //! a request head over `server.max_header_bytes` or `server.max_headers` gets 431, and
 //! beyond `server.max_concurrent_requests` in flight a request gets 503 `overloaded`
 //! at once (never queued). `/healthz`, `/readyz` and `/metrics` are not counted, so an

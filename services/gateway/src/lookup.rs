@@ -1,4 +1,4 @@
-//! The tenant's own lookup (DESIGN §14): what happened to a key, with the tenant's own
+//! The tenant's own lookup (docs/tenants.md): what happened to a key, with the tenant's own
 //! token, never showing a body.
 //!
 //! - `GET /_idemgate/v1/keys/{key}?endpoint=POST%20%2Fpayments` → 200 with the key's

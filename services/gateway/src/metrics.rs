@@ -1,5 +1,5 @@
 //! `/metrics`: the catalogue of what the gateway exports (names and help texts, the
-//! README's "Observability" lists the same), and the scrape, which brings the ledger's,
+//! "Observability" in docs/operations.md lists the same), and the scrape, which brings the ledger's,
 //! the fast path's and the identity provider's own counters up to date first.
 
 use std::sync::Arc;

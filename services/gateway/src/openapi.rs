@@ -40,7 +40,7 @@ use crate::{admin, lookup, operator};
     modifiers(&Bearers),
     tags(
         (name = "lookup", description = "A tenant's own keys, never their bodies"),
-        (name = "admin", description = "Operators: show, list and release keys (DESIGN §6 rules)"),
+        (name = "admin", description = "Operators: show, list and release keys (docs/operations.md rules)"),
     ),
 )]
 struct Document;

@@ -8,8 +8,8 @@ use idem_postgres::{KeyInfo, OperatorRelease};
 /// Where a key stands: completed, in progress (its first attempt running), or held (in
 /// progress with its lease over: the outcome is unknown until a probe, a policy or an
 /// operator settles it). One state, two words for the last: the operator's `held`
-/// (`idemgate keys`, the admin API) is the tenant's `unknown` (the lookup API, DESIGN
-/// §14, in the words of the `operation_state` of 409 problems).
+/// (`idemgate keys`, the admin API) is the tenant's `unknown` (the lookup API of
+/// docs/tenants.md, in the words of the `operation_state` of 409 problems).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum KeyState {
     InProgress,
@@ -202,7 +202,7 @@ fn trace_id(info: &KeyInfo) -> Option<&str> {
     info.trace_context.as_deref()?.split('-').nth(1)
 }
 
-/// The line every release by an operator writes (DESIGN §6): which key, which attempt,
+/// The line every release by an operator writes (docs/operations.md): which key, which attempt,
 /// whether forced, by whom and why.
 pub fn log_release(scope: &Scope, attempt: AttemptId, forced: bool, by: &str, reason: &str) {
     tracing::warn!(

@@ -1,5 +1,5 @@
 //! The HTTP/1.1 listener: accepting connections and serving each with hyper, under the
-//! connection-level limits of the README's `server.*` keys that a handler cannot enforce itself.
+//! connection-level limits of the `server.*` keys (docs/configuration.md) that a handler cannot enforce itself.
 //!
 //! - A request head must arrive within `server.header_read_timeout`, or the connection
 //!   is closed (slowloris). hyper starts that clock whenever it waits for a head, so an

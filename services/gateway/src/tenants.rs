@@ -1,4 +1,4 @@
-//! Tenants as the gateway serves them (DESIGN §14): each tenant's policy on each route,
+//! Tenants as the gateway serves them (docs/tenants.md): each tenant's policy on each route,
 //! its body limit, and its quotas — a token bucket (`rate`, `burst`) and a number of
 //! requests in flight (`max_concurrent_requests`), per tenant and per replica. A request
 //! over either is refused with 429 and `Retry-After` before anything is read or claimed,
@@ -184,7 +184,7 @@ impl TenantTable {
 /// How often [`TenantTable::tidy`] runs.
 pub const TIDY_EVERY: Duration = Duration::from_secs(60);
 
-/// Counts a refusal; tenants are named only if configured (DESIGN §14).
+/// Counts a refusal; tenants are named only if configured (docs/tenants.md).
 fn throttled(tenant: &str, named: bool, quota: &'static str) {
     let tenant = if named {
         tenant.to_owned()

@@ -1,6 +1,6 @@
-//! The admin API (DESIGN §14) through real HTTP, real Postgres and the real demo: off
+//! The admin API (docs/operations.md) through real HTTP, real Postgres and the real demo: off
 //! unless configured, every call with its bearer token, and a release under the
-//! operator rules of DESIGN §6.
+//! operator rules of docs/operations.md.
 
 mod common;
 

@@ -1,4 +1,4 @@
-//! What the gateway does when Postgres fails over under it (DESIGN §15), on real
+//! What the gateway does when Postgres fails over under it (docs/faults.md), on real
 //! Postgres: rows lost by the failover, connections that must leave the pool.
 
 mod common;

@@ -8,7 +8,7 @@ use std::time::Duration;
 use common::*;
 use http::StatusCode;
 
-/// A 5xx proves nothing (the README's "Unknown outcomes"): on a route without a probe it is stored and
+/// A 5xx proves nothing (docs/operations.md, "Unknown outcomes"): on a route without a probe it is stored and
 /// replayed like any answer, so a retry never runs the payment again on a guess.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_upstream_500_is_kept_and_replayed_on_a_route_without_a_probe() {

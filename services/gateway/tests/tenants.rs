@@ -1,4 +1,4 @@
-//! Tenants through real HTTP, real Postgres and the real demo (DESIGN §14): a tenant's
+//! Tenants through real HTTP, real Postgres and the real demo (docs/tenants.md): a tenant's
 //! own policy, body limit and quotas, each holding for that tenant alone.
 
 mod common;

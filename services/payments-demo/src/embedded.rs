@@ -1,4 +1,4 @@
-//! Embedded mode (DESIGN §13): the demo as its own idempotency layer. Each payment's key
+//! Embedded mode (docs/embedded-mode.md): the demo as its own idempotency layer. Each payment's key
 //! claim, its row, its outbox row and its stored answer commit in one transaction.
 
 use std::path::Path;

@@ -14,7 +14,7 @@
 //! Environment: `PAYMENTS_DEMO_LISTEN` (default `127.0.0.1:9090`) and
 //! `PAYMENTS_DEMO_DATABASE_URL` (default `postgres://postgres@127.0.0.1:5432/payments_demo`).
 //!
-//! With `PAYMENTS_DEMO_MODE=embedded` (DESIGN §13) it is its own idempotency layer instead
+//! With `PAYMENTS_DEMO_MODE=embedded` (docs/embedded-mode.md) it is its own idempotency layer instead
 //! of idemgate's upstream: `POST /payments` and `POST /refunds` run behind `idem-embedded`
 //! (endpoints `"POST /payments"`, `"POST /refunds"`), with the `[auth]` and
 //! `[idempotency]` of the gateway config file in `PAYMENTS_DEMO_CONFIG`. The key's claim,

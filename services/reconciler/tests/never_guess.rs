@@ -1,4 +1,4 @@
-//! Never re-execute on a guess (the README's "Unknown outcomes"), end to end: real gateway and
+//! Never re-execute on a guess (docs/operations.md, "Unknown outcomes"), end to end: real gateway and
 //! reconciler processes, upstreams of the tests' own, real Postgres. Each test is one of
 //! the ways a key used to become executable again while the upstream may have acted.
 

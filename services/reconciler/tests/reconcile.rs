@@ -494,7 +494,7 @@ async fn the_purge_removes_only_expired_rows_while_traffic_flows() {
 }
 
 // On main: "error: unrecognized subcommand 'list'" (there was no `keys list --held`);
-// behind it, the README's `keys release --config FILE …` answered "unexpected argument
+// behind it, docs/operations.md's `keys release --config FILE …` answered "unexpected argument
 // '--config' found", and `keys show` printed a Rust Debug dump.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn operators_can_list_show_and_release_a_held_key() {

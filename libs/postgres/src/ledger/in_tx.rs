@@ -1,4 +1,4 @@
-//! The ledger on a caller's transaction, for embedded mode (DESIGN §13): the claim and
+//! The ledger on a caller's transaction, for embedded mode (docs/embedded-mode.md): the claim and
 //! the completion the gateway's group pipes send, written for one row ([`CLAIM_ONE_SQL`],
 //! [`COMPLETE_ONE_SQL`]: the same statements, with scalars where the pipes bind arrays),
 //! on a connection inside the service's own transaction, so the claim, the service's
