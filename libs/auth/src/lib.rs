@@ -16,6 +16,11 @@
 //! JWKS, a token must name a known `kid` (a set of exactly one key also accepts tokens
 //! without `kid`). The tenant is the configured claim and must be a non-empty
 //! printable-ASCII string.
+//!
+//! # Why one file of ~500 lines
+//! It is the verifier and its key set: the checks a token goes through are written in
+//! the order they run, beside the key set they read, and every unit test of them is in
+//! `tests/verify.rs`. Key files and fetching live in [`keys`] and `remote.rs`.
 #![forbid(unsafe_code)]
 
 pub mod keys;

@@ -6,6 +6,13 @@
 //! what happened as an [`Outcome`]. Only the ledger decides that an operation may
 //! execute: the cache can turn a request away early (a replay, a live lock) but a cache
 //! that says "go ahead" is always followed by the ledger's claim.
+//!
+//! # Why one file of ~500 lines
+//! [`Engine::run`] is one state machine (cache, claim, wait, execute, complete or
+//! release), and its steps share the attempt, its deadline and the cache lock it may
+//! hold; split across files they would have to pass all of that around. What does not
+//! share them is elsewhere already: the decision on an existing record in
+//! [`crate::verdict`], the policy in [`crate::policy`], the ports in [`crate::ports`].
 
 use std::future::Future;
 use std::pin::pin;

@@ -31,6 +31,11 @@
 //!   A statement that has not returned an op timeout after its last request's deadline
 //!   is given up: its connection is closed, never pooled again, and its rows are undone
 //!   then and once more an op timeout later, when nothing it started can still commit.
+//!
+//! # Why one file of ~500 lines
+//! The driver, the batch it takes and the statement it sends share one set of rules
+//! (the list above: every job its own deadline, its own outcome, undone if abandoned);
+//! they are read together or not at all. The statements themselves are in `ledger/`.
 
 use std::collections::{HashSet, VecDeque};
 use std::pin::pin;

@@ -4,6 +4,12 @@
 //! An answer's body is read into memory up to a cap (a route's `max_response_bytes`);
 //! past it, what was read and the rest of the body are handed on as a stream, so one
 //! large answer costs at most the cap in memory, and it still reaches its client whole.
+//!
+//! # Why one file of ~550 lines (and its tests)
+//! The pool, the gate on each socket and the classification of what happened are one
+//! mechanism: whether a request provably never left depends on the gate's state at the
+//! moment the pool hands out the socket, and reading one without the others is how the
+//! "not sent" promise breaks.
 
 use std::collections::HashMap;
 use std::future::Future;
