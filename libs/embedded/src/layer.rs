@@ -109,11 +109,16 @@ where
         let endpoint = self.endpoint.clone();
         let span =
             propagation::request_span(request.method(), request.uri().path(), request.headers());
+        // An answer given before the body was read says `Connection: close`.
+        let (parts, body) = request.into_parts();
+        let (body, consumed) = idem_http::early::track(body);
+        let request = Request::from_parts(parts, body);
         Box::pin(
             async move {
-                let response = serve(&shared, &endpoint, inner, request)
+                let mut response = serve(&shared, &endpoint, inner, request)
                     .await
                     .unwrap_or_else(|problem| problem.into_response());
+                consumed.close_unless_done(&mut response);
                 Span::current().record("http.response.status_code", response.status().as_u16());
                 Ok(response)
             }

@@ -127,3 +127,39 @@ async fn large_replays_stay_within_the_replay_budget() {
     assert_eq!(replayed.body, paid.body);
     assert_eq!(first.orders().await, 1);
 }
+
+/// An answer given before the request's body was read (a 401 while the body is still
+/// arriving) says `Connection: close`, as at the gateway: the server cannot take another
+/// request on that connection. (On d90d3dd: "the 401 did not say Connection: close".)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_answer_before_the_body_is_read_says_connection_close() {
+    let svc = service(|o| o, None).await;
+    let addr = svc
+        .url
+        .trim_start_matches("http://")
+        .split('/')
+        .next()
+        .unwrap();
+    let mut conn = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let head = "POST /orders HTTP/1.1\r\nhost: svc\r\nidempotency-key: k-1\r\n\
+                content-type: application/json\r\ncontent-length: 2048\r\n\r\n{\"amount\":";
+    conn.write_all(head.as_bytes()).await.unwrap();
+    let mut got = Vec::new();
+    let mut buf = [0u8; 4096];
+    tokio::time::timeout(Duration::from_secs(10), async {
+        while !got.windows(4).any(|w| w == b"\r\n\r\n") {
+            let n = conn.read(&mut buf).await.unwrap();
+            assert!(n > 0, "closed before an answer");
+            got.extend_from_slice(&buf[..n]);
+        }
+    })
+    .await
+    .expect("an answer while the body is still coming");
+    let head = String::from_utf8_lossy(&got).to_ascii_lowercase();
+    assert!(head.starts_with("http/1.1 401"), "{head}");
+    assert!(
+        head.lines().any(|l| l == "connection: close"),
+        "the 401 did not say Connection: close"
+    );
+    assert_eq!(svc.records().await, 0);
+}

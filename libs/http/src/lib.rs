@@ -4,11 +4,13 @@
 //! # Layout
 //! - [`problem`]: every error response, as `application/problem+json`.
 //! - [`request`]: reading the bearer token, the key header and the body.
+//! - [`early`]: `Connection: close` on answers given before the body was read.
 //! - [`fingerprint`]: the request's fingerprint, large bodies off the async workers.
 //! - [`answer`]: an engine outcome as the client's response; replays; expiry.
 #![forbid(unsafe_code)]
 
 pub mod answer;
+pub mod early;
 pub mod fingerprint;
 pub mod problem;
 pub mod request;

@@ -9,6 +9,11 @@
 //!   431 with a problem body at the exact limits. (hyper cannot be asked for a body on
 //!   its own refusals, and it must not buffer unbounded heads to let us decide.)
 //!
+//! - An answer given before its request's body was read says `Connection: close`
+//!   (`idem_http::early`), and every connection is closed gracefully ([`linger`]): the
+//!   rest of what the client sends is read and discarded for a bounded time and size, so
+//!   the kernel never resets the connection under an answer.
+//!
 //! - A write of an answer that the client accepts none of for
 //!   `server.response_write_timeout` closes the connection ([`WriteTimeout`]): a client
 //!   that asks and never reads holds its answer's memory that long at most.
@@ -16,7 +21,7 @@
 //! `axum::serve` sets none of these (it builds hyper without a timer), which is why this
 //! module exists.
 
-use std::future::Future;
+use std::future::{Future, poll_fn};
 use std::io;
 use std::pin::{Pin, pin};
 use std::task::{Context, Poll};
@@ -25,7 +30,7 @@ use std::time::Duration;
 use axum::Router;
 use hyper_util::rt::{TokioIo, TokioTimer};
 use hyper_util::service::TowerToHyperService;
-use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::watch;
 use tokio::time::Sleep;
@@ -48,6 +53,8 @@ pub async fn serve(
     limits: Limits,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) {
+    // Every answer given before its request's body was read says `Connection: close`.
+    let router = router.layer(axum::middleware::from_fn(idem_http::early::close_if_unread));
     let mut http = hyper::server::conn::http1::Builder::new();
     http.timer(TokioTimer::new())
         .header_read_timeout(limits.header_read_timeout)
@@ -75,23 +82,24 @@ pub async fn serve(
         let _ = stream.set_nodelay(true);
         let service = TowerToHyperService::new(router.clone());
         let stream = WriteTimeout::new(stream, limits.response_write_timeout);
-        let connection = http.serve_connection(TokioIo::new(stream), service);
+        let mut connection = http.serve_connection(TokioIo::new(stream), service);
         let mut stop = stop_rx.clone();
         let done = done_tx.subscribe();
         tokio::spawn(async move {
-            let mut connection = pin!(connection);
-            tokio::select! {
-                result = connection.as_mut() => {
-                    if let Err(error) = result {
-                        tracing::debug!(%error, "connection ended with an error");
-                    }
-                }
+            // Served without hyper shutting the socket down at the end, so that it can
+            // be closed gracefully (`linger`) once the last answer has gone out.
+            let mut served = poll_fn(|cx| connection.poll_without_shutdown(cx));
+            let ended = tokio::select! {
+                ended = &mut served => ended,
                 _ = stop.changed() => {
-                    connection.as_mut().graceful_shutdown();
-                    if let Err(error) = connection.await {
-                        tracing::debug!(%error, "connection ended with an error");
-                    }
+                    drop(served);
+                    Pin::new(&mut connection).graceful_shutdown();
+                    poll_fn(|cx| connection.poll_without_shutdown(cx)).await
                 }
+            };
+            match ended {
+                Ok(()) => linger(connection.into_parts().io.into_inner().into_inner()).await,
+                Err(error) => tracing::debug!(%error, "connection ended with an error"),
             }
             drop(done);
         });
@@ -99,6 +107,30 @@ pub async fn serve(
     drop(listener);
     drop(stop_tx);
     done_tx.closed().await;
+}
+
+/// The longest and the most a closing connection still reads of what its client sends.
+const LINGER_FOR: Duration = Duration::from_secs(2);
+const LINGER_BYTES: usize = 1 << 20;
+
+/// Closes a connection gracefully, as nginx's lingering close does: says it is done
+/// (FIN), then reads and discards what the client still sends — the rest of a body that
+/// was answered early — until the client closes too, for at most [`LINGER_FOR`] and
+/// [`LINGER_BYTES`]. Closing with unread bytes would make the kernel reset the
+/// connection, and a reset can destroy the answer before the client has read it.
+async fn linger(mut stream: TcpStream) {
+    if stream.shutdown().await.is_err() {
+        return;
+    }
+    let deadline = tokio::time::Instant::now() + LINGER_FOR;
+    let mut buf = vec![0u8; 16 * 1024];
+    let mut left = LINGER_BYTES;
+    while left > 0 {
+        match tokio::time::timeout_at(deadline, stream.read(&mut buf)).await {
+            Ok(Ok(n)) if n > 0 => left = left.saturating_sub(n),
+            _ => return,
+        }
+    }
 }
 
 /// A connection whose writes fail once one has waited `timeout` for the client to take
@@ -118,6 +150,10 @@ impl WriteTimeout {
             timeout,
             stalled: None,
         }
+    }
+
+    fn into_inner(self) -> TcpStream {
+        self.io
     }
 
     /// After the socket's answer to a write: on `Pending`, start (or check) the clock.
