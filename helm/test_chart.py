@@ -207,7 +207,9 @@ class ChartTest(unittest.TestCase):
         self.assertEqual(by_kind(default, "Service", "-admin"), [])
         docs = render(self.cases["admin"])
         config = tomllib.loads(by_kind(docs, "ConfigMap", "idemgate")[0]["data"]["idemgate.toml"])
-        self.assertEqual(config["admin"], {"listen": "0.0.0.0:9100", "token_file": "/etc/idemgate/admin/token"})
+        # Beyond loopback, said to be intended: the Service is ClusterIP, the NetworkPolicy admits it.
+        self.assertEqual(config["admin"], {"listen": "0.0.0.0:9100", "allow_remote": True,
+                                           "token_file": "/etc/idemgate/admin/token"})
         pod = by_kind(docs, "Deployment", "idemgate")[0]["spec"]["template"]["spec"]
         volumes = {v["name"]: v for v in pod["volumes"]}
         self.assertEqual(volumes["admin-token"]["secret"]["secretName"], "idemgate-admin")

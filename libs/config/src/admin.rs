@@ -3,7 +3,8 @@
 //! | key | default | meaning |
 //! | --- | --- | --- |
 //! | `admin.listen` | unset (off) | address the admin API serves on; keep it off the public network |
-//! | `admin.token_file` | required with `listen` | a file whose contents (trimmed) are the bearer token every admin call must send |
+//! | `admin.token_file` | required with `listen` | a file whose contents (trimmed) are the bearer token every admin call must send; re-read when it changes |
+//! | `admin.allow_remote` | `false` | whether `listen` may be other than a loopback address: only where the network in front keeps the API private (the chart: a ClusterIP Service and a NetworkPolicy) |
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -22,6 +23,9 @@ pub const MIN_TOKEN_BYTES: usize = 16;
 pub struct AdminConfig {
     pub listen: Option<SocketAddr>,
     pub token_file: Option<PathBuf>,
+    /// `listen` may be other than loopback: the operator says the network keeps it private.
+    #[serde(default)]
+    pub allow_remote: bool,
 }
 
 impl AdminConfig {
@@ -35,6 +39,17 @@ impl AdminConfig {
                 "admin.listen",
                 "is required with admin.token_file (the admin API is off without it)",
             )),
+            (Some(at), Some(_)) if !at.ip().is_loopback() && !self.allow_remote => {
+                Err(ConfigError::new(
+                    "admin.listen",
+                    format!(
+                        "{at} is not a loopback address, and anyone who reaches the admin API \
+                         with its token can release keys (a second execution, by design): \
+                         listen on 127.0.0.1, or set admin.allow_remote = true where the \
+                         network in front keeps it private (the chart does)"
+                    ),
+                ))
+            }
             _ => Ok(()),
         }
     }

@@ -22,22 +22,21 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{MethodRouter, get, post};
 use idem_core::{AttemptId, IdempotencyKey, Scope};
 use idem_postgres::OperatorRelease;
-use secrecy::{ExposeSecret, SecretString};
 use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 
+use crate::admin_token::AdminToken;
 use crate::listing::{Params, ProblemDoc, invalid, no_nul};
 use crate::lookup;
 use crate::operator::{KeyState, OperatorKey};
 use crate::problem::Problem;
 use crate::state::AppState;
 
-/// The admin API's routes, behind its bearer token.
 /// The admin API's routes, behind the bearer token; `document` serves its OpenAPI
 /// description (given by the caller: the document is generated from these handlers).
 pub fn router(
     state: Arc<AppState>,
-    token: SecretString,
+    token: AdminToken,
     document: MethodRouter<Arc<AppState>>,
 ) -> Router {
     let token = Arc::new(token);
@@ -63,20 +62,37 @@ pub fn router(
         .with_state(state)
 }
 
+/// How long a refused call waits for its 401: a guesser gets a few tries a second per
+/// connection, an operator who mistyped does not notice.
+const REFUSED_AFTER: std::time::Duration = std::time::Duration::from_millis(250);
+
 /// Every call, the document included, names the token: the API is an operator's only.
-async fn authorize(token: Arc<SecretString>, request: Request, next: Next) -> Response {
+/// A refusal is logged with the caller's address, counted
+/// (`idemgate_admin_unauthorized_total`) and answered after [`REFUSED_AFTER`].
+async fn authorize(token: Arc<AdminToken>, request: Request, next: Next) -> Response {
     // The bearer as every other API of idemgate reads it (the scheme in any case).
     match idem_http::request::bearer(request.headers()) {
-        Ok(sent) if same(sent.as_bytes(), token.expose_secret().as_bytes()) => {
-            next.run(request).await
+        Ok(sent) if token.accepts(sent) => next.run(request).await,
+        sent => {
+            let peer = request
+                .extensions()
+                .get::<axum::extract::ConnectInfo<std::net::SocketAddr>>()
+                .map(|c| c.0.to_string());
+            tracing::warn!(
+                peer = peer.as_deref().unwrap_or("unknown"),
+                path = request.uri().path(),
+                why = if sent.is_ok() {
+                    "wrong token"
+                } else {
+                    "no token"
+                },
+                "admin call refused"
+            );
+            idem_telemetry::metrics::counter!("idemgate_admin_unauthorized_total").increment(1);
+            tokio::time::sleep(REFUSED_AFTER).await;
+            Problem::AdminUnauthorized.into_response()
         }
-        _ => Problem::AdminUnauthorized.into_response(),
     }
-}
-
-/// Equal, in a time that does not depend on where the two first differ.
-fn same(a: &[u8], b: &[u8]) -> bool {
-    a.len() == b.len() && a.iter().zip(b).fold(0u8, |d, (x, y)| d | (x ^ y)) == 0
 }
 
 async fn not_found() -> Problem {
@@ -316,18 +332,5 @@ pub async fn release(
             crate::operator::why_unchanged(&refused, &named, attempt, "send \"force\": true", "")
                 .unwrap_or_default(),
         )),
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn tokens_compare_whole() {
-        assert!(same(b"0123456789abcdef", b"0123456789abcdef"));
-        assert!(!same(b"0123456789abcdef", b"0123456789abcdeF"));
-        assert!(!same(b"0123456789abcdef", b"0123456789abcde"));
-        assert!(!same(b"", b"x"));
     }
 }

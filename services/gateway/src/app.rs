@@ -23,6 +23,7 @@ use secrecy::ExposeSecret;
 use tokio::net::TcpListener;
 use tokio_util::task::TaskTracker;
 
+use crate::admin_token::AdminToken;
 use crate::limits::{self, RequestLimits};
 use crate::state::AppState;
 use crate::tenants::{self, TenantTable};
@@ -32,7 +33,7 @@ use crate::{handler, health, lookup, metrics, observe, server};
 pub struct Application {
     listener: TcpListener,
     /// The admin API's listener and token, when `admin.listen` is set.
-    admin: Option<(TcpListener, secrecy::SecretString)>,
+    admin: Option<(TcpListener, AdminToken)>,
     state: Arc<AppState>,
     grace: Duration,
     limits: server::Limits,
@@ -86,7 +87,7 @@ impl Application {
         let listener = TcpListener::bind(config.server.listen)
             .await
             .with_context(|| format!("binding server.listen = {}", config.server.listen))?;
-        let admin = match (config.admin.listen, config.admin.token()?) {
+        let admin = match (config.admin.listen, AdminToken::load(&config.admin)?) {
             (Some(at), Some(token)) => Some((
                 TcpListener::bind(at)
                     .await

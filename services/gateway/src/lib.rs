@@ -17,7 +17,8 @@
 //! - [`limits`]: per-request limits (head size, requests in flight), as middleware.
 //! - [`operator`]: what `idemgate keys` prints about a key.
 //! - [`lookup`]: the tenant's own lookup of its keys (`/_idemgate/v1/keys`).
-//! - [`admin`]: the operator's admin API (`/admin/v1`, on `admin.listen`).
+//! - [`admin`]: the operator's admin API (`/admin/v1`, on `admin.listen`); [`admin_token`]
+//!   its bearer token, re-read when its file changes.
 //! - [`listing`]: what the lookup and the admin API share: paging, cursors, query
 //!   parameters and their errors, the problem schema.
 //! - [`openapi`]: the OpenAPI 3.1 document of both, generated from their handlers.
@@ -28,6 +29,7 @@
 #![forbid(unsafe_code)]
 
 pub mod admin;
+pub mod admin_token;
 pub mod app;
 pub mod extract;
 pub mod handler;

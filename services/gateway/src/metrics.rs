@@ -121,6 +121,10 @@ pub(crate) fn describe() {
         "Executions whose answer could not be recorded: 503 outcome-unrecorded, the key held for the reconciler."
     );
     describe_counter!(
+        "idemgate_admin_unauthorized_total",
+        "Admin API calls refused for a missing or wrong token (each logged with the caller's address)."
+    );
+    describe_counter!(
         "idemgate_tenant_throttled_total",
         "Requests refused by a tenant's quota (429), by tenant (configured ones; others are `other`) and quota."
     );

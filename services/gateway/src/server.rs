@@ -23,6 +23,7 @@
 
 use std::future::{Future, poll_fn};
 use std::io;
+use std::net::SocketAddr;
 use std::pin::{Pin, pin};
 use std::task::{Context, Poll};
 use std::time::Duration;
@@ -66,9 +67,9 @@ pub async fn serve(
     let (done_tx, _) = watch::channel(());
     let mut shutdown = pin!(shutdown);
     loop {
-        let stream = tokio::select! {
+        let (stream, peer) = tokio::select! {
             accepted = listener.accept() => match accepted {
-                Ok((stream, _)) => stream,
+                Ok(accepted) => accepted,
                 Err(error) => {
                     // Out of file descriptors, or a connection reset before accept:
                     // back off a little rather than spin.
@@ -80,7 +81,10 @@ pub async fn serve(
             () = &mut shutdown => break,
         };
         let _ = stream.set_nodelay(true);
-        let service = TowerToHyperService::new(router.clone());
+        let service = TowerToHyperService::new(WithPeer {
+            inner: router.clone(),
+            peer,
+        });
         let stream = WriteTimeout::new(stream, limits.response_write_timeout);
         let mut connection = http.serve_connection(TokioIo::new(stream), service);
         let mut stop = stop_rx.clone();
@@ -107,6 +111,36 @@ pub async fn serve(
     drop(listener);
     drop(stop_tx);
     done_tx.closed().await;
+}
+
+/// The router, with each request's peer address in its extensions (axum's
+/// `ConnectInfo`, as `into_make_service_with_connect_info` would put it): the admin API
+/// logs who was refused.
+#[derive(Clone)]
+struct WithPeer {
+    inner: Router,
+    peer: SocketAddr,
+}
+
+impl<B> tower_service::Service<http::Request<B>> for WithPeer
+where
+    B: http_body::Body<Data = bytes::Bytes> + Send + 'static,
+    B::Error: Into<axum::BoxError>,
+{
+    type Response = axum::response::Response;
+    type Error = std::convert::Infallible;
+    type Future = <Router as tower_service::Service<http::Request<B>>>::Future;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        <Router as tower_service::Service<http::Request<B>>>::poll_ready(&mut self.inner, cx)
+    }
+
+    fn call(&mut self, mut request: http::Request<B>) -> Self::Future {
+        request
+            .extensions_mut()
+            .insert(axum::extract::ConnectInfo(self.peer));
+        self.inner.call(request)
+    }
 }
 
 /// The longest and the most a closing connection still reads of what its client sends.

@@ -285,3 +285,107 @@ async fn the_admin_token_is_read_as_every_bearer_is() {
         .await;
     assert_eq!(twice.status, StatusCode::UNAUTHORIZED, "two tokens");
 }
+
+/// A rotated token (the file rewritten, as a Kubernetes Secret update does) is accepted
+/// and the old one refused at once, without a restart. (On d90d3dd the token was read
+/// once at start: "the new token, left: 401, right: 200".)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rotated_admin_token_is_taken_without_a_restart() {
+    let token_file = config_file(&format!("{TOKEN}\n"));
+    let (_db, gw, http) = setup_with(
+        |c| {
+            c.set("admin.listen", "127.0.0.1:0")
+                .set("admin.token_file", token_file.to_str().unwrap())
+        },
+        |r| r,
+    )
+    .await;
+    let held = |token: &str| {
+        http.get(&gw.admin_url("/admin/v1/held"))
+            .bearer(token)
+            .send()
+    };
+    assert_eq!(held(TOKEN).await.status, StatusCode::OK);
+    let rotated = "rotated-token-fedcba9876543210";
+    // A new file put in place of the old one, as a Secret volume swaps its files.
+    let next = token_file.with_extension("next");
+    std::fs::write(&next, format!("{rotated}\n")).unwrap();
+    std::fs::rename(&next, &token_file).unwrap();
+    assert_eq!(held(rotated).await.status, StatusCode::OK, "the new token");
+    assert_eq!(
+        held(TOKEN).await.status,
+        StatusCode::UNAUTHORIZED,
+        "the old token"
+    );
+    // A file that holds no valid token leaves the last one in force.
+    std::fs::write(&next, "short\n").unwrap();
+    std::fs::rename(&next, &token_file).unwrap();
+    assert_eq!(
+        held(rotated).await.status,
+        StatusCode::OK,
+        "the last good one"
+    );
+}
+
+/// The admin API on an address beyond loopback is refused at start unless the operator
+/// says the network keeps it private. (On d90d3dd `0.0.0.0` was accepted silently: "a
+/// non-loopback admin.listen is refused: None".)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_non_loopback_admin_listen_needs_allow_remote() {
+    let db = TestDb::create().await;
+    let token_file = config_file(&format!("{TOKEN}\n"));
+    let with = |listen: &str| {
+        TestConfig::new(&db)
+            .set("admin.listen", listen)
+            .set("admin.token_file", token_file.to_str().unwrap())
+    };
+    let refused = idemgate::Config::from_toml(&with("0.0.0.0:9100").toml())
+        .err()
+        .map(|e| e.to_string());
+    assert!(
+        refused
+            .as_deref()
+            .is_some_and(|e| e.contains("admin.listen") && e.contains("allow_remote")),
+        "a non-loopback admin.listen is refused: {refused:?}"
+    );
+    let allowed = with("0.0.0.0:9100").set("admin.allow_remote", true);
+    assert!(idemgate::Config::from_toml(&allowed.toml()).is_ok());
+    assert!(idemgate::Config::from_toml(&with("[::1]:9100").toml()).is_ok());
+}
+
+/// A refused admin call is counted, logged with the caller's address and answered only
+/// after a short delay. (On d90d3dd: "no idemgate_admin_unauthorized_total in /metrics".)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn refused_admin_calls_are_counted() {
+    let db = TestDb::create().await;
+    let token_file = config_file(&format!("{TOKEN}\n"));
+    // A free port for the admin API (the process prints only its main address).
+    let admin_at = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap();
+    let gw = GatewayProcess::start(
+        &TestConfig::new(&db)
+            .set("admin.listen", admin_at.to_string().as_str())
+            .set("admin.token_file", token_file.to_str().unwrap())
+            .toml(),
+    )
+    .await;
+    let http = Http::default();
+    let admin = format!("http://{admin_at}/admin/v1/held");
+    for wrong in ["admin-token-0123456789abcdeF", "nope"] {
+        let answer = http.get(&admin).bearer(wrong).send().await;
+        assert_eq!(answer.status, StatusCode::UNAUTHORIZED);
+    }
+    assert_eq!(
+        http.get(&admin).send().await.status,
+        StatusCode::UNAUTHORIZED
+    );
+    let metrics = http.get(&gw.url("/metrics")).send().await;
+    let text = String::from_utf8(metrics.body.to_vec()).unwrap();
+    assert_eq!(
+        metric(&text, "idemgate_admin_unauthorized_total"),
+        Some(3.0),
+        "no idemgate_admin_unauthorized_total in /metrics"
+    );
+}
