@@ -11,7 +11,7 @@
 //! | `server.body_read_timeout` | `30s` | a request body must arrive within this (408) |
 //! | `server.max_concurrent_requests` | `1024` | requests in flight; beyond, 503 `overloaded` |
 //! | `server.response_write_timeout` | `30s` | a client that takes longer to accept a write of its answer is cut off |
-//! | `server.max_replay_bytes_in_flight` | `268435456` | stored bodies held for answers in flight, all requests together; beyond, 503 `overloaded` |
+//! | `server.max_replay_bytes_in_flight` | `268435456` | stored bodies held for answers in flight, all requests together (one tenant at most a quarter, or one body); beyond, 503 `overloaded` |
 
 use std::net::SocketAddr;
 use std::time::Duration;

@@ -10,6 +10,11 @@
 //! once ([`Busy`]), before anything is read, and the request gets 503 `overloaded`. A
 //! copy's bytes go back to the budget when its last holder lets go of it — when the
 //! answer's last byte has been written, or its connection closed.
+//!
+//! A tenant holds at most a quarter of the budget ([`TENANT_SHARE`]), or one body if that
+//! is larger: one tenant's replays to clients that do not read (each holding its copy
+//! until `server.response_write_timeout`) cannot take the budget from every other
+//! tenant's.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -34,6 +39,12 @@ pub const BODY_SQL: &str = concat!(
     super::rules::owned_by_attempt!(),
     " AND k.status = 'completed'"
 );
+
+/// The share of the budget one tenant may hold (one body always fits, whatever its size).
+pub const TENANT_SHARE: usize = 4;
+
+/// Bytes of large bodies held, by tenant.
+type Tenants = Arc<Mutex<HashMap<String, usize>>>;
 
 /// One stored body: its row's scope and attempt.
 type Key = (Scope, Uuid);
@@ -66,6 +77,7 @@ type Slots = Arc<Mutex<HashMap<Key, Slot>>>;
 /// does each embedded-mode service ([`super::in_tx::claim`]).
 pub struct Bodies {
     slots: Slots,
+    tenants: Tenants,
     /// The budget in KiB (a semaphore counts up to `u32` per acquire).
     budget: Arc<Semaphore>,
     budget_bytes: usize,
@@ -86,6 +98,7 @@ struct Held {
     body: Vec<u8>,
     key: Key,
     slots: Slots,
+    _share: Share,
     _permit: OwnedSemaphorePermit,
 }
 
@@ -111,6 +124,51 @@ impl AsRef<[u8]> for Owner {
 
 fn shared(held: Arc<Held>) -> Bytes {
     Bytes::from_owner(Owner(held))
+}
+
+/// Bytes of one body counted in its tenant's share, given back when dropped (however
+/// the read that took them ends).
+struct Share {
+    tenants: Tenants,
+    tenant: String,
+    len: usize,
+}
+
+impl Share {
+    /// `len` more bytes for `tenant`, if it holds none yet or they fit in `limit`.
+    fn take(tenants: &Tenants, tenant: &str, len: usize, limit: usize) -> Option<Self> {
+        let mut held = tenants.lock().expect("bodies lock");
+        let mine = held.get(tenant).copied().unwrap_or(0);
+        if mine > 0 && mine + len > limit {
+            return None;
+        }
+        *held.entry(tenant.to_owned()).or_default() += len;
+        Some(Self {
+            tenants: tenants.clone(),
+            tenant: tenant.to_owned(),
+            len,
+        })
+    }
+
+    /// Counts `len` bytes instead (the body read was not the size its row said).
+    fn resize(&mut self, len: usize) {
+        let mut held = self.tenants.lock().expect("bodies lock");
+        let bytes = held.entry(self.tenant.clone()).or_default();
+        *bytes = bytes.saturating_sub(self.len) + len;
+        self.len = len;
+    }
+}
+
+impl Drop for Share {
+    fn drop(&mut self) {
+        let mut held = self.tenants.lock().expect("bodies lock");
+        if let Some(bytes) = held.get_mut(&self.tenant) {
+            *bytes = bytes.saturating_sub(self.len);
+            if *bytes == 0 {
+                held.remove(&self.tenant);
+            }
+        }
+    }
 }
 
 fn kib(bytes: usize) -> u32 {
@@ -140,6 +198,7 @@ impl Bodies {
     pub fn new(budget_bytes: usize) -> Self {
         Self {
             slots: Arc::default(),
+            tenants: Arc::default(),
             budget: Arc::new(Semaphore::new(kib(budget_bytes) as usize)),
             budget_bytes,
             reads: AtomicU64::new(0),
@@ -228,7 +287,12 @@ impl Bodies {
             slots: &self.slots,
             key: Some(key.clone()),
         };
-        let Ok(permit) = self.budget.clone().try_acquire_many_owned(kib(len)) else {
+        let limit = self.budget_bytes / TENANT_SHARE;
+        let share = Share::take(&self.tenants, &key.0.tenant, len, limit);
+        let permit = share
+            .as_ref()
+            .and_then(|_| self.budget.clone().try_acquire_many_owned(kib(len)).ok());
+        let (Some(mut share), Some(permit)) = (share, permit) else {
             let busy = Busy {
                 needed: len,
                 budget: self.budget_bytes,
@@ -247,10 +311,14 @@ impl Bodies {
                 return Err(LedgerError::new(Shared(error)));
             }
         };
+        if body.len() != len {
+            share.resize(body.len());
+        }
         let held = Arc::new(Held {
             body,
             key: key.clone(),
             slots: self.slots.clone(),
+            _share: share,
             _permit: permit,
         });
         self.slots
