@@ -192,6 +192,7 @@ pub async fn list(
 ) -> Result<Response, Problem> {
     let Path(tenant) = tenant.map_err(|e| invalid(&e.body_text()))?;
     no_nul("tenant", &tenant)?;
+    let _share = app.lookups.admit(None)?;
     let (page, next_cursor) =
         lookup::page(&app, &tenant, query.as_deref(), KeyState::parse_either_word).await?;
     Ok(Json(OperatorKeyPage {
@@ -227,6 +228,7 @@ pub async fn held(
     RawQuery(query): RawQuery,
 ) -> Result<Response, Problem> {
     let params = Params::parse(query.as_deref(), &["limit"])?;
+    let _share = app.lookups.admit(None)?;
     let keys = app
         .engine
         .ledger()

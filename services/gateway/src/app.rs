@@ -127,6 +127,9 @@ impl Application {
                 server.max_headers,
                 server.max_concurrent_requests,
             )),
+            lookups: crate::listing::LookupLimits::new(
+                config.postgres.max_connections as usize / 4,
+            ),
             fingerprints: idem_http::Fingerprinter::default(),
             tasks: TaskTracker::new(),
             fenced: Default::default(),

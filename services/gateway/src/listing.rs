@@ -1,8 +1,13 @@
 //! What the tenant's lookup and the operator's admin API share: paging through keys
 //! (`limit`, an opaque `cursor`), their query parameters and the 400s for them, and the
-//! problem document's schema in their OpenAPI description.
+//! problem document's schema in their OpenAPI description; and the share of the ledger
+//! they may take ([`LookupLimits`]).
+
+use std::collections::HashMap;
+use std::sync::Mutex;
 
 use serde::Serialize;
+use tokio::sync::{Semaphore, SemaphorePermit};
 use utoipa::ToSchema;
 
 use crate::problem::Problem;
@@ -108,6 +113,81 @@ impl Params {
     }
 }
 
+/// Lookups and listings a tenant may have in flight at once.
+pub(crate) const LOOKUPS_PER_TENANT: usize = 2;
+
+/// The share of the ledger lookups and listings may take, so that a tenant polling its
+/// keys (or a stolen token doing it for him) cannot take the pool from claims and
+/// completions: a few statements in all (a quarter of the pool), two per tenant. Beyond
+/// a tenant's share its lookup is 429 `tenant-concurrency-limited`, beyond the whole 503
+/// `overloaded`, both with `Retry-After` and at once.
+#[derive(Debug)]
+pub struct LookupLimits {
+    all: Semaphore,
+    per_tenant: Mutex<HashMap<String, usize>>,
+}
+
+/// A lookup's place, given back when dropped.
+pub(crate) struct LookupPermit<'a> {
+    limits: &'a LookupLimits,
+    tenant: Option<String>,
+    _all: SemaphorePermit<'a>,
+}
+
+impl LookupLimits {
+    /// At most `all` lookups and listings at once.
+    pub fn new(all: usize) -> Self {
+        Self {
+            all: Semaphore::new(all.max(1)),
+            per_tenant: Mutex::default(),
+        }
+    }
+
+    /// A place for one lookup of `tenant` (`None`: an operator's, counted in all only).
+    pub(crate) fn admit(&self, tenant: Option<&str>) -> Result<LookupPermit<'_>, Problem> {
+        if let Some(tenant) = tenant {
+            let mut busy = self.per_tenant.lock().expect("lookup limits");
+            let mine = busy.entry(tenant.to_owned()).or_default();
+            if *mine >= LOOKUPS_PER_TENANT {
+                return Err(Problem::TenantConcurrencyLimited);
+            }
+            *mine += 1;
+        }
+        let permit = LookupPermit {
+            limits: self,
+            tenant: tenant.map(str::to_owned),
+            _all: match self.all.try_acquire() {
+                Ok(all) => all,
+                Err(_) => {
+                    if let Some(tenant) = tenant {
+                        self.release(tenant);
+                    }
+                    return Err(Problem::Overloaded);
+                }
+            },
+        };
+        Ok(permit)
+    }
+
+    fn release(&self, tenant: &str) {
+        let mut busy = self.per_tenant.lock().expect("lookup limits");
+        if let Some(mine) = busy.get_mut(tenant) {
+            *mine -= 1;
+            if *mine == 0 {
+                busy.remove(tenant);
+            }
+        }
+    }
+}
+
+impl Drop for LookupPermit<'_> {
+    fn drop(&mut self) {
+        if let Some(tenant) = &self.tenant {
+            self.limits.release(tenant);
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -142,5 +222,31 @@ mod tests {
         for bad in ["endpoint=a&endpoint=b", "nope=1", "state=completed"] {
             assert!(Params::parse(Some(bad), &["endpoint"]).is_err(), "{bad}");
         }
+    }
+
+    #[test]
+    fn lookups_take_a_bounded_share_per_tenant_and_in_all() {
+        let limits = LookupLimits::new(3);
+        let a1 = limits.admit(Some("a")).unwrap();
+        let a2 = limits.admit(Some("a")).unwrap();
+        assert!(matches!(
+            limits.admit(Some("a")),
+            Err(Problem::TenantConcurrencyLimited)
+        ));
+        let b1 = limits.admit(Some("b")).unwrap();
+        assert!(matches!(limits.admit(Some("c")), Err(Problem::Overloaded)));
+        assert!(matches!(limits.admit(None), Err(Problem::Overloaded)));
+        drop(a1);
+        let operator = limits.admit(None).unwrap();
+        assert!(matches!(limits.admit(Some("a")), Err(Problem::Overloaded)));
+        drop((a2, b1, operator));
+        let _again = [
+            limits.admit(Some("a")).unwrap(),
+            limits.admit(Some("a")).unwrap(),
+        ];
+        assert!(
+            limits.per_tenant.lock().unwrap().get("b").is_none(),
+            "forgotten when idle"
+        );
     }
 }

@@ -60,6 +60,7 @@ pub async fn show(
     RawQuery(query): RawQuery,
 ) -> Result<Response, Problem> {
     let _quota = app.tenants.admit(&tenant)?;
+    let _share = app.lookups.admit(Some(&tenant))?;
     let Path(key) = key.map_err(|e| invalid(&e.body_text()))?;
     let params = Params::parse(query.as_deref(), &["endpoint"])?;
     let endpoint = params
@@ -103,6 +104,7 @@ pub async fn list(
     RawQuery(query): RawQuery,
 ) -> Result<Response, Problem> {
     let _quota = app.tenants.admit(&tenant)?;
+    let _share = app.lookups.admit(Some(&tenant))?;
     let (page, next_cursor) =
         page(&app, &tenant, query.as_deref(), KeyState::parse_tenant_word).await?;
     let keys = page.iter().map(TenantKey::from).collect();

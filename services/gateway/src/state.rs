@@ -28,6 +28,8 @@ pub struct AppState {
     pub body_read_timeout: Duration,
     /// Head size and requests in flight (see [`crate::limits`]).
     pub limits: Arc<RequestLimits>,
+    /// The share of the ledger lookups and listings may take.
+    pub lookups: crate::listing::LookupLimits,
     /// Fingerprints of large bodies, off the async workers and bounded.
     pub fingerprints: idem_http::Fingerprinter,
     /// Forward-and-store tasks, awaited on shutdown.

@@ -51,27 +51,45 @@ pub const LOOKUP_SQL: &str = concat!(
     rules::live!()
 );
 
-/// A page of one tenant's live rows ($1), in key order after ($3 endpoint, $4 key), of
-/// the endpoint $2 if not null, in the state $5 if not null (`in_progress`, `unknown`:
-/// held, `completed`), at most $6: by the primary key's index.
-pub const LIST_SQL: &str = concat!(
-    "SELECT ",
-    key_columns!(),
-    " FROM idempotency_keys AS k \
-     WHERE k.tenant_id = $1 AND ($2::text IS NULL OR k.endpoint = $2) \
-       AND (k.endpoint, k.key) > ($3, $4) AND ",
-    rules::live!(),
-    " AND (CASE $5::text \
-       WHEN 'completed' THEN k.status = 'completed' \
-       WHEN 'unknown' THEN coalesce(",
+/// A page of one tenant's rows ($1) in key order after ($3 endpoint, $4 key), of the
+/// endpoint $2 if not null, at most $5, keeping those `$state` selects. One statement per
+/// state, each of whose rows it reads is one it returns (or an expired one not yet
+/// purged): its cost is the page's, not the tenant's. The in-progress states read the
+/// partial index of in-progress rows (`migrations/0005_in_progress_index.sql`), so a
+/// tenant with a million completed keys and three held ones pays for three.
+macro_rules! list_sql {
+    ($state:expr) => {
+        concat!(
+            "SELECT ",
+            key_columns!(),
+            " FROM idempotency_keys AS k \
+             WHERE k.tenant_id = $1 AND ($2::text IS NULL OR k.endpoint = $2) \
+               AND (k.endpoint, k.key) > ($3, $4) AND ",
+            $state,
+            " ORDER BY k.endpoint, k.key LIMIT $5"
+        )
+    };
+}
+
+/// [`list_sql!`] of every live row.
+pub const LIST_SQL: &str = list_sql!(rules::live!());
+
+/// [`list_sql!`] of the completed live rows.
+pub const LIST_COMPLETED_SQL: &str = list_sql!("k.status = 'completed' AND k.expires_at > now()");
+
+/// [`list_sql!`] of the in-progress rows still inside their lease.
+pub const LIST_IN_PROGRESS_SQL: &str = list_sql!(concat!(
+    "k.status = 'in_progress' AND NOT (",
     rules::held!(),
-    ", false) \
-       WHEN 'in_progress' THEN k.status = 'in_progress' AND NOT coalesce(",
+    ")"
+));
+
+/// [`list_sql!`] of the held rows (the tenant's `unknown`).
+pub const LIST_TENANT_HELD_SQL: &str = list_sql!(concat!(
+    "k.status = 'in_progress' AND (",
     rules::held!(),
-    ", false) \
-       ELSE true END) \
-     ORDER BY k.endpoint, k.key LIMIT $6"
-);
+    ")"
+));
 
 pub const COUNT_HELD_SQL: &str = concat!(
     "SELECT count(*) FROM idempotency_keys AS k WHERE ",
@@ -178,7 +196,8 @@ impl PgLedger {
     }
 
     /// A page of `tenant`'s live keys in key order, after `after` (endpoint, key), of
-    /// `endpoint` and in `state` when given.
+    /// `endpoint` and in `state` when given (`completed`, `in_progress`, or `unknown`:
+    /// held), each state by a statement of its own.
     pub async fn list_keys(
         &self,
         tenant: &str,
@@ -187,15 +206,25 @@ impl PgLedger {
         after: (&str, &str),
         limit: i64,
     ) -> Result<Vec<KeyInfo>, LedgerError> {
+        let sql = match state {
+            None => LIST_SQL,
+            Some("completed") => LIST_COMPLETED_SQL,
+            Some("in_progress") => LIST_IN_PROGRESS_SQL,
+            Some("unknown") => LIST_TENANT_HELD_SQL,
+            Some(_) => {
+                return Err(LedgerError::new(crate::Corrupt(
+                    "a key listing asked for a state the ledger does not know",
+                )));
+            }
+        };
         let rows = self
             .bounded(
                 "list_keys",
-                sqlx::query(LIST_SQL)
+                sqlx::query(sql)
                     .bind(tenant)
                     .bind(endpoint)
                     .bind(after.0)
                     .bind(after.1)
-                    .bind(state)
                     .bind(limit)
                     .fetch_all(&self.pool),
             )
