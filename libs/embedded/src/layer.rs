@@ -118,7 +118,7 @@ where
                 let mut response = serve(&shared, &endpoint, inner, request)
                     .await
                     .unwrap_or_else(|problem| problem.into_response());
-                consumed.close_unless_done(&mut response);
+                consumed.close_unless_done(&mut response).await;
                 Span::current().record("http.response.status_code", response.status().as_u16());
                 Ok(response)
             }

@@ -6,12 +6,15 @@
 //! error, the very uncertainty idemgate exists to remove. So such an answer carries
 //! `Connection: close`, in both modes; the gateway's listener also reads and discards
 //! what the client still sends before it closes (see `services/gateway/src/server.rs`),
-//! so the kernel never resets the connection under the answer.
+//! so the kernel never resets the connection under the answer. A small remainder (at
+//! most [`DRAIN_UP_TO`], arriving within [`DRAIN_FOR`]) is read and discarded instead,
+//! and the connection stays open for the client's next request.
 
 use std::pin::Pin;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
+use std::time::Duration;
 
 use axum::body::Body;
 use axum::extract::Request;
@@ -21,22 +24,48 @@ use bytes::Bytes;
 use http::{HeaderValue, header};
 use http_body::{Frame, SizeHint};
 
-/// Whether a request's body has been read to its end.
+/// A remainder this small is read and discarded after an early answer, so the
+/// connection can serve the client's next request.
+pub const DRAIN_UP_TO: u64 = 64 * 1024;
+/// ...if it arrives within this long.
+pub const DRAIN_FOR: Duration = Duration::from_millis(100);
+
+/// Whether a request's body has been read to its end; what is left of it once its
+/// reader let go of it unread.
 #[derive(Debug, Clone, Default)]
-pub struct Consumed(Arc<AtomicBool>);
+pub struct Consumed(Arc<AtomicBool>, Arc<Mutex<Option<Body>>>);
 
 impl Consumed {
     pub fn done(&self) -> bool {
         self.0.load(Ordering::Relaxed)
     }
 
-    /// `Connection: close` on `response` unless the body was read to its end.
-    pub fn close_unless_done(&self, response: &mut Response) {
-        if !self.done() {
-            response
-                .headers_mut()
-                .insert(header::CONNECTION, HeaderValue::from_static("close"));
+    /// `Connection: close` on `response` unless the body was read to its end — or what
+    /// was left of it is small and arrives soon: then it is read and discarded here.
+    pub async fn close_unless_done(&self, response: &mut Response) {
+        if self.done() || self.drain().await {
+            return;
         }
+        response
+            .headers_mut()
+            .insert(header::CONNECTION, HeaderValue::from_static("close"));
+    }
+
+    /// Reads what is left of the body if it is small, within [`DRAIN_FOR`].
+    async fn drain(&self) -> bool {
+        let left = self.1.lock().expect("body remainder").take();
+        let Some(left) = left else { return false };
+        if http_body::Body::size_hint(&left)
+            .upper()
+            .is_none_or(|upper| upper > DRAIN_UP_TO)
+        {
+            return false;
+        }
+        let limited = http_body_util::Limited::new(left, DRAIN_UP_TO as usize);
+        matches!(
+            tokio::time::timeout(DRAIN_FOR, http_body_util::BodyExt::collect(limited)).await,
+            Ok(Ok(_))
+        )
     }
 }
 
@@ -48,7 +77,7 @@ pub fn track(body: Body) -> (Body, Consumed) {
         return (body, consumed);
     }
     let tracked = Tracked {
-        inner: body,
+        inner: Some(body),
         consumed: consumed.clone(),
     };
     (Body::new(tracked), consumed)
@@ -60,13 +89,23 @@ pub async fn close_if_unread(request: Request, next: Next) -> Response {
     let (parts, body) = request.into_parts();
     let (body, consumed) = track(body);
     let mut response = next.run(Request::from_parts(parts, body)).await;
-    consumed.close_unless_done(&mut response);
+    consumed.close_unless_done(&mut response).await;
     response
 }
 
 struct Tracked {
-    inner: Body,
+    /// Always `Some` until dropped.
+    inner: Option<Body>,
     consumed: Consumed,
+}
+
+impl Drop for Tracked {
+    fn drop(&mut self) {
+        // Left unread: kept for `Consumed::drain`.
+        if !self.consumed.done() {
+            *self.consumed.1.lock().expect("body remainder") = self.inner.take();
+        }
+    }
 }
 
 impl http_body::Body for Tracked {
@@ -77,7 +116,8 @@ impl http_body::Body for Tracked {
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, axum::Error>>> {
-        let polled = Pin::new(&mut self.inner).poll_frame(cx);
+        let inner = self.inner.as_mut().expect("a live body");
+        let polled = Pin::new(inner).poll_frame(cx);
         if let Poll::Ready(None) = polled {
             self.consumed.0.store(true, Ordering::Relaxed);
         }
@@ -85,10 +125,14 @@ impl http_body::Body for Tracked {
     }
 
     fn is_end_stream(&self) -> bool {
-        self.inner.is_end_stream()
+        self.inner
+            .as_ref()
+            .is_none_or(http_body::Body::is_end_stream)
     }
 
     fn size_hint(&self) -> SizeHint {
-        self.inner.size_hint()
+        self.inner
+            .as_ref()
+            .map_or_else(SizeHint::default, http_body::Body::size_hint)
     }
 }

@@ -145,3 +145,39 @@ async fn an_answer_before_the_body_has_arrived_reaches_its_client() {
         .expect("the connection ends");
     assert!(ended.is_ok(), "reset, not closed: {ended:?}");
 }
+
+/// A small body answered early (a 400: the key is invalid) is read and discarded, and the
+/// connection serves the client's next request: only a large or late remainder costs the
+/// connection. (New: on d90d3dd the answer said nothing either way.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_small_body_answered_early_keeps_its_connection() {
+    let (_db, gw, _http) = setup().await;
+    let mut conn = TcpStream::connect(gw.addr).await.unwrap();
+    let body = format!(r#"{{"orderId": "o-1", "pad": "{}"}}"#, "x".repeat(2000));
+    let request = format!(
+        "POST /payments HTTP/1.1\r\nhost: idemgate\r\nauthorization: Bearer {}\r\n\
+         idempotency-key: a b\r\ncontent-type: application/json\r\n\
+         content-length: {}\r\n\r\n{body}",
+        token("acme"),
+        body.len()
+    );
+    for _ in 0..3 {
+        conn.write_all(request.as_bytes()).await.unwrap();
+        let answer = tokio::time::timeout(Duration::from_secs(10), read_answer(&mut conn))
+            .await
+            .expect("an answer")
+            .expect("the answer whole");
+        assert!(answer.head.starts_with("http/1.1 400"), "{}", answer.head);
+        assert!(
+            !answer.says_close(),
+            "a small remainder costs the connection"
+        );
+    }
+    conn.write_all(b"GET /healthz HTTP/1.1\r\nhost: idemgate\r\n\r\n")
+        .await
+        .unwrap();
+    let health = read_answer(&mut conn)
+        .await
+        .expect("the same connection serves on");
+    assert!(health.head.starts_with("http/1.1 200"), "{}", health.head);
+}
