@@ -64,27 +64,17 @@ impl From<&idem_config::PostgresConfig> for PoolSettings {
 
 /// Opens a pool. Fails if the database cannot be reached.
 pub async fn connect(url: &str, settings: &PoolSettings) -> Result<PgPool, sqlx::Error> {
-    let options = PgConnectOptions::from_str(url)?
-        .application_name(&settings.application_name)
-        .options([
-            (
-                "statement_timeout",
-                format!("{}ms", settings.statement_timeout.as_millis()),
-            ),
-            (
-                "lock_timeout",
-                format!("{}ms", settings.lock_timeout.as_millis().max(1)),
-            ),
-            // Every statement is prepared once per connection and then planned once
-            // (generic plans): a claim for a batch of keys otherwise costs Postgres a fresh
-            // plan per execution (0.5-0.9 ms, more than running it), because the planner
-            // cannot guess an array's length and so never trusts a generic plan of it.
-            ("plan_cache_mode", "force_generic_plan".to_owned()),
-            // Every statement finds its rows by an index (the key's, the lease's, the
-            // expiry's). A plan made while the table was small could otherwise scan it
-            // whole, and be kept while it grows, until the next ANALYZE.
-            ("enable_seqscan", "off".to_owned()),
-        ]);
+    let options = PgConnectOptions::from_str(url)?.application_name(&settings.application_name);
+    // The session's settings are set by a statement on each new connection, not sent as
+    // startup `options`: a pooler in front (PgBouncer) refuses startup options, or drops
+    // them silently when told to ignore them, and a gateway without its
+    // statement_timeout has no bound on a hung statement.
+    let session = format!(
+        "SET statement_timeout = '{}ms'; SET lock_timeout = '{}ms'; \
+         SET plan_cache_mode = force_generic_plan; SET enable_seqscan = off",
+        settings.statement_timeout.as_millis(),
+        settings.lock_timeout.as_millis().max(1),
+    );
     let ping_timeout = settings.acquire_timeout / PING_SHARE_OF_ACQUIRE;
     PgPoolOptions::new()
         .max_connections(settings.max_connections)
@@ -94,6 +84,22 @@ pub async fn connect(url: &str, settings: &PoolSettings) -> Result<PgPool, sqlx:
         // connection that answered a moment ago needs no proof of life; one that sat
         // idle (across a restart, a failover, an idle-killing proxy) still gets it.
         .test_before_acquire(false)
+        // Every statement is prepared once per connection and then planned once (generic
+        // plans, `plan_cache_mode`): a claim for a batch of keys otherwise costs Postgres
+        // a fresh plan per execution (0.5-0.9 ms, more than running it), because the
+        // planner cannot guess an array's length and so never trusts a generic plan of
+        // it. And every statement finds its rows by an index (the key's, the lease's, the
+        // expiry's; `enable_seqscan`): a plan made while the table was small could
+        // otherwise scan it whole, and be kept while it grows, until the next ANALYZE.
+        .after_connect(move |conn, _| {
+            let session = session.clone();
+            Box::pin(async move {
+                sqlx::raw_sql(sqlx::AssertSqlSafe(session))
+                    .execute(conn)
+                    .await
+                    .map(|_| ())
+            })
+        })
         .before_acquire(move |conn, meta| {
             Box::pin(async move {
                 if meta.idle_for >= PING_IF_IDLE_FOR {
@@ -129,19 +135,13 @@ pub async fn migrate(pool: &PgPool) -> Result<(), sqlx::migrate::MigrateError> {
     let mut conn = pool.acquire().await?;
     // Migrations wait for locks as DDL does (the advisory lock while another process
     // migrates, a table's lock behind running statements), bounded by the statement
-    // timeout, not by the pool's short `lock_timeout`.
+    // timeout, not by the pool's short `lock_timeout`. The connection is closed after,
+    // so the pool never hands out one with that setting.
+    conn.close_on_drop();
     sqlx::query("SET lock_timeout = 0")
         .execute(&mut *conn)
         .await?;
-    let ran = MIGRATOR.run(&mut *conn).await;
-    if sqlx::query("RESET lock_timeout")
-        .execute(&mut *conn)
-        .await
-        .is_err()
-    {
-        conn.close_on_drop();
-    }
-    ran
+    MIGRATOR.run(&mut *conn).await
 }
 
 /// A ledger call that did not finish in time.

@@ -102,3 +102,46 @@ async fn a_connection_cut_while_idle_is_replaced_before_a_request_uses_it() {
         .unwrap();
     assert_ne!(now, backend, "a new connection should serve the request");
 }
+
+/// Through PgBouncer in session pooling, every pooled connection keeps the session's
+/// settings (`statement_timeout` and `lock_timeout` among them), and the ledger works. (On
+/// d90d3dd they were startup `options`, which PgBouncer refuses: "unsupported startup
+/// parameter: options" — or, told to ignore them, drops silently.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_sessions_settings_hold_through_pgbouncer() {
+    let db = TestDb::create().await;
+    db.migrate().await;
+    let bouncer = idem_testkit::PgBouncer::start("session");
+    let settings = PoolSettings {
+        max_connections: 2,
+        acquire_timeout: Duration::from_secs(5),
+        statement_timeout: Duration::from_millis(1234),
+        lock_timeout: Duration::from_millis(99),
+        application_name: "pgbouncer-test".into(),
+    };
+    let pool = idem_postgres::connect(&bouncer.url_for(&db.url), &settings)
+        .await
+        .expect("connect through pgbouncer");
+    for _ in 0..4 {
+        let set: (String, String, String) = sqlx::query_as(
+            "SELECT current_setting('statement_timeout'), current_setting('lock_timeout'), \
+             current_setting('plan_cache_mode')",
+        )
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+        assert_eq!(
+            set,
+            ("1234ms".into(), "99ms".into(), "force_generic_plan".into()),
+            "the session's settings through pgbouncer"
+        );
+    }
+    let ledger = PgLedger::new(pool, Duration::from_secs(5));
+    let (_, claimed) = claim(
+        &ledger,
+        &scope("through-pgbouncer"),
+        Duration::from_secs(30),
+    )
+    .await;
+    assert!(matches!(claimed, ClaimResult::Claimed));
+}

@@ -16,6 +16,7 @@
 //! - [`proxy`]: [`FaultProxy`], a TCP proxy that can cut or slow a connection.
 //! - [`idp`]: [`Idp`], a real OpenID Connect provider (Node's `oidc-provider`).
 //! - [`otlp`]: [`OtlpReceiver`], where processes export their traces.
+//! - [`pgbouncer`]: [`PgBouncer`], Debian's connection pooler in front of Postgres.
 
 pub mod client;
 pub mod config;
@@ -23,6 +24,7 @@ pub mod db;
 pub mod failpoints;
 pub mod idp;
 pub mod otlp;
+pub mod pgbouncer;
 pub mod processes;
 pub mod proxy;
 pub mod redis;
@@ -33,6 +35,7 @@ pub use db::*;
 pub use failpoints::*;
 pub use idp::*;
 pub use otlp::*;
+pub use pgbouncer::*;
 pub use processes::*;
 pub use proxy::*;
 pub use redis::*;
