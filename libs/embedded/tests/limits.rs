@@ -26,13 +26,7 @@ async fn an_answer_past_max_response_bytes_is_passed_on_as_it_comes() {
     let svc = service(|o| o.max_response_bytes(16 * 1024), None).await;
     let key = new_key();
     let body = order(7);
-    let addr = svc
-        .url
-        .trim_start_matches("http://")
-        .split('/')
-        .next()
-        .unwrap();
-    let mut conn = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let mut conn = tokio::net::TcpStream::connect(svc.addr()).await.unwrap();
     let request = format!(
         "POST /orders HTTP/1.1\r\nhost: svc\r\nauthorization: Bearer {}\r\n\
          idempotency-key: {key}\r\nx-trickle-kib: 64\r\ncontent-type: application/json\r\n\
@@ -134,13 +128,7 @@ async fn large_replays_stay_within_the_replay_budget() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_answer_before_the_body_is_read_says_connection_close() {
     let svc = service(|o| o, None).await;
-    let addr = svc
-        .url
-        .trim_start_matches("http://")
-        .split('/')
-        .next()
-        .unwrap();
-    let mut conn = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let mut conn = tokio::net::TcpStream::connect(svc.addr()).await.unwrap();
     let head = "POST /orders HTTP/1.1\r\nhost: svc\r\nidempotency-key: k-1\r\n\
                 content-type: application/json\r\ncontent-length: 2048\r\n\r\n{\"amount\":";
     conn.write_all(head.as_bytes()).await.unwrap();

@@ -30,14 +30,22 @@ pub const DRAIN_UP_TO: u64 = 64 * 1024;
 /// ...if it arrives within this long.
 pub const DRAIN_FOR: Duration = Duration::from_millis(100);
 
-/// Whether a request's body has been read to its end; what is left of it once its
-/// reader let go of it unread.
-#[derive(Debug, Clone, Default)]
-pub struct Consumed(Arc<AtomicBool>, Arc<Mutex<Option<Body>>>);
+/// Whether a request's body has been read to its end, and what is left of it once its
+/// reader let go of it unread. A request without a body allocates nothing (`None`).
+#[derive(Debug, Clone)]
+pub struct Consumed(Option<Arc<State>>);
+
+#[derive(Debug, Default)]
+struct State {
+    done: AtomicBool,
+    left: Mutex<Option<Body>>,
+}
 
 impl Consumed {
     pub fn done(&self) -> bool {
-        self.0.load(Ordering::Relaxed)
+        self.0
+            .as_ref()
+            .is_none_or(|state| state.done.load(Ordering::Relaxed))
     }
 
     /// `Connection: close` on `response` unless the body was read to its end — or what
@@ -53,7 +61,8 @@ impl Consumed {
 
     /// Reads what is left of the body if it is small, within [`DRAIN_FOR`].
     async fn drain(&self) -> bool {
-        let left = self.1.lock().expect("body remainder").take();
+        let Some(state) = &self.0 else { return false };
+        let left = state.left.lock().expect("body remainder").take();
         let Some(left) = left else { return false };
         if http_body::Body::size_hint(&left)
             .upper()
@@ -71,16 +80,15 @@ impl Consumed {
 
 /// `body`, telling `Consumed` once it has been read to its end.
 pub fn track(body: Body) -> (Body, Consumed) {
-    let consumed = Consumed::default();
     if http_body::Body::is_end_stream(&body) {
-        consumed.0.store(true, Ordering::Relaxed);
-        return (body, consumed);
+        return (body, Consumed(None));
     }
+    let state = Arc::new(State::default());
     let tracked = Tracked {
         inner: Some(body),
-        consumed: consumed.clone(),
+        state: state.clone(),
     };
-    (Body::new(tracked), consumed)
+    (Body::new(tracked), Consumed(Some(state)))
 }
 
 /// As middleware: every answer given before its request's body was read says
@@ -96,14 +104,14 @@ pub async fn close_if_unread(request: Request, next: Next) -> Response {
 struct Tracked {
     /// Always `Some` until dropped.
     inner: Option<Body>,
-    consumed: Consumed,
+    state: Arc<State>,
 }
 
 impl Drop for Tracked {
     fn drop(&mut self) {
         // Left unread: kept for `Consumed::drain`.
-        if !self.consumed.done() {
-            *self.consumed.1.lock().expect("body remainder") = self.inner.take();
+        if !self.state.done.load(Ordering::Relaxed) {
+            *self.state.left.lock().expect("body remainder") = self.inner.take();
         }
     }
 }
@@ -119,7 +127,7 @@ impl http_body::Body for Tracked {
         let inner = self.inner.as_mut().expect("a live body");
         let polled = Pin::new(inner).poll_frame(cx);
         if let Poll::Ready(None) = polled {
-            self.consumed.0.store(true, Ordering::Relaxed);
+            self.state.done.store(true, Ordering::Relaxed);
         }
         polled
     }

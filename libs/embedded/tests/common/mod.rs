@@ -209,6 +209,12 @@ pub async fn service_via(
 }
 
 impl Service {
+    /// The `host:port` the service listens on.
+    pub fn addr(&self) -> &str {
+        let authority = self.url.trim_start_matches("http://");
+        authority.split('/').next().unwrap_or(authority)
+    }
+
     pub async fn count(&self, sql: &str) -> i64 {
         sqlx::query_scalar(sqlx::AssertSqlSafe(sql.to_owned()))
             .fetch_one(&self.pool)
