@@ -382,7 +382,15 @@ async fn a_duplicate_that_waited_never_replays_past_the_records_end() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_commit_whose_answer_is_lost_is_outcome_unrecorded_and_the_retry_settles_it() {
     let proxy = FaultProxy::start("127.0.0.1:5432".parse().unwrap()).await;
-    let svc = service_via(|o| o, None, Some(&proxy)).await;
+    let svc = service_via(
+        |o| o,
+        None,
+        Some(Via {
+            proxy: proxy.addr,
+            connections: 8,
+        }),
+    )
+    .await;
     let http = Http::default();
     for (delivered, retry_replays) in [(true, true), (false, false)] {
         let key = new_key();

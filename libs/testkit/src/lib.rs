@@ -17,6 +17,7 @@
 //! - [`idp`]: [`Idp`], a real OpenID Connect provider (Node's `oidc-provider`).
 //! - [`otlp`]: [`OtlpReceiver`], where processes export their traces.
 //! - [`pgbouncer`]: [`PgBouncer`], Debian's connection pooler in front of Postgres.
+//! - [`pgwire`]: [`PgCounter`], a proxy that counts a client's round trips and statements.
 
 pub mod client;
 pub mod config;
@@ -25,6 +26,7 @@ pub mod failpoints;
 pub mod idp;
 pub mod otlp;
 pub mod pgbouncer;
+pub mod pgwire;
 pub mod processes;
 pub mod proxy;
 pub mod redis;
@@ -36,6 +38,7 @@ pub use failpoints::*;
 pub use idp::*;
 pub use otlp::*;
 pub use pgbouncer::*;
+pub use pgwire::*;
 pub use processes::*;
 pub use proxy::*;
 pub use redis::*;

@@ -137,12 +137,20 @@ pub async fn service(
     service_via(options, beside, None).await
 }
 
-/// [`service`], its layer's connections to Postgres through `proxy` when given (the
-/// test's own reads go straight to Postgres).
+/// Where the layer's pool connects instead of Postgres: a proxy (a [`FaultProxy`], a
+/// [`PgCounter`]) in front of it, with that many connections.
+pub struct Via {
+    pub proxy: std::net::SocketAddr,
+    pub connections: u32,
+}
+
+/// [`service`], its layer's connections to Postgres through `via` when given (the test's
+/// own reads go straight to Postgres). The layer's pool, like payments-demo's, does not
+/// ping a connection before each use.
 pub async fn service_via(
     options: impl FnOnce(Options<TenantFrom>) -> Options<TenantFrom>,
     beside: Option<&Service>,
-    proxy: Option<&FaultProxy>,
+    via: Option<Via>,
 ) -> Service {
     let (db, url) = match beside {
         Some(other) => (None, other.db_url.clone()),
@@ -175,15 +183,16 @@ pub async fn service_via(
     .expect("test config");
     let auth = idem_auth::Authenticator::from_config(&config.auth).expect("HS256 auth");
     let options = options(Options::default().tenant(TenantFrom::Jwt(Arc::new(auth))));
-    let layer_pool = match proxy {
-        Some(proxy) => {
-            let via = url.replacen("127.0.0.1:5432", &proxy.addr.to_string(), 1);
+    let layer_pool = match via {
+        Some(Via { proxy, connections }) => {
+            let via = url.replacen("127.0.0.1:5432", &proxy.to_string(), 1);
             assert_ne!(via, url, "the test database is on 127.0.0.1:5432");
             sqlx::postgres::PgPoolOptions::new()
-                .max_connections(8)
+                .max_connections(connections)
+                .test_before_acquire(false)
                 .connect(&format!("{via}?sslmode=disable"))
                 .await
-                .expect("connect through the fault proxy")
+                .expect("connect through the proxy")
         }
         None => pool.clone(),
     };

@@ -92,12 +92,20 @@ pub const COMPLETE_SQL: &str = complete_sql!(
                             ttl_ms, omitted, request_hash, n)"
 );
 
-/// The same completion of one row, $1..$10 as scalars: embedded mode's, in the transaction
-/// that claimed it. Planned once per connection, as [`super::claim::CLAIM_ONE_SQL`] is.
-pub const COMPLETE_ONE_SQL: &str = complete_sql!(
-    "SELECT $1::text AS tenant_id, $2::text AS endpoint, $3::text AS key, \
-       $4::uuid AS attempt, $5::int4 AS status, $6::jsonb AS headers, $7::bytea AS body, \
-       $8::float8 AS ttl_ms, $9::bool AS omitted, $10::bytea AS request_hash, 1::int8 AS n"
+/// The completion of one row, $1..$9 (tenant, endpoint, key, attempt, status, headers,
+/// body, TTL ms, body omitted): embedded mode's, in the transaction that claimed the row.
+/// That transaction's own uncommitted row: no other transaction can lock it, move it or
+/// delete it, and it is completed once. So none of the group's care is needed — no lock
+/// taken first, no completion repeated, no row written back — and the statement is a
+/// plain update by the key's index, planned once per connection.
+pub const COMPLETE_ONE_SQL: &str = concat!(
+    "UPDATE idempotency_keys AS k SET status = 'completed', \
+       response_status = $5, response_headers = $6, response_body = $7, \
+       response_omitted = $9, completed_at = now(), locked_until = NULL, held_since = NULL, \
+       expires_at = now() + $8::float8 * interval '1 millisecond' \
+     WHERE k.tenant_id = $1 AND k.endpoint = $2 AND k.key = $3 AND k.attempt = $4 \
+     RETURNING ",
+    rules::epoch_micros!("k.expires_at")
 );
 
 /// One completion as its pipe queues it.
@@ -140,7 +148,7 @@ impl CompleteRow {
         &self,
         conn: &mut PgConnection,
     ) -> Result<Completed, sqlx::Error> {
-        let held: Option<(i64, i64, bool)> = sqlx::query_as(COMPLETE_ONE_SQL)
+        let expires_at: Option<i64> = sqlx::query_scalar(COMPLETE_ONE_SQL)
             .bind(self.scope.tenant.as_str())
             .bind(self.scope.endpoint.as_str())
             .bind(self.scope.key.as_str())
@@ -150,10 +158,9 @@ impl CompleteRow {
             .bind(&self.body[..])
             .bind(self.ttl_ms)
             .bind(self.omitted)
-            .bind(&self.fingerprint[..])
             .fetch_optional(conn)
             .await?;
-        Ok(self.completed(held.map(|(_, expires_at, restored)| (expires_at, restored))))
+        Ok(self.completed(expires_at.map(|expires_at| (expires_at, false))))
     }
 }
 
