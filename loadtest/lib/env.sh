@@ -9,15 +9,45 @@ DB="idemgate_load_$$"
 # database only burns the CPU the processes share.
 DB_URL="postgres://postgres@127.0.0.1:5432/$DB?sslmode=disable"
 export PGSSLMODE=disable
+PG_DIR=""
 SECRET="load-test-secret-0123"
 
 cleanup() {
   for pid in "${PIDS[@]}"; do kill "$pid" 2>/dev/null || true; done
   wait 2>/dev/null || true
-  for db in "$DB" "${DB}_embedded"; do
-    psql -h 127.0.0.1 -U postgres -w -qc "drop database if exists $db with (force)" postgres >/dev/null 2>&1 || true
-  done
+  if [ -n "$PG_DIR" ]; then
+    as_postgres "$PG_BIN/pg_ctl" -D "$PG_DIR/data" -m immediate stop >/dev/null 2>&1 || true
+    rm -rf "$PG_DIR"
+  else
+    for db in "$DB" "${DB}_embedded"; do
+      psql -h 127.0.0.1 -U postgres -w -qc "drop database if exists $db with (force)" postgres >/dev/null 2>&1 || true
+    done
+  fi
   rm -rf "$WORK"
+}
+
+# Runs a command as the postgres user when root (initdb refuses root), else as is.
+as_postgres() { if [ "$(id -u)" = 0 ]; then runuser -u postgres -- "$@"; else "$@"; fi; }
+
+# A Postgres cluster of the run's own, for loadtest/bench: its statistics are the run's
+# alone (WAL bytes and flushes of the whole cluster are the cases' own), and
+# pg_stat_statements counts the statements each case sends. Debian's server, default
+# settings but for its connections; on a port of its own, stopped and removed on exit.
+# Sets PGPORT (psql and pgbench follow it) and DB_URL.
+private_postgres() {
+  PG_BIN=$(ls -d /usr/lib/postgresql/*/bin 2>/dev/null | sort -V | tail -n 1)
+  [ -x "$PG_BIN/initdb" ] || { echo "no Postgres server binaries under /usr/lib/postgresql (apt-get install postgresql)" >&2; exit 1; }
+  PG_DIR=$(mktemp -d /tmp/idemgate-bench-pg.XXXXXX)
+  [ "$(id -u)" = 0 ] && chown postgres "$PG_DIR"
+  as_postgres "$PG_BIN/initdb" -D "$PG_DIR/data" -U postgres --auth=trust -E UTF8 >"$WORK/initdb.log" 2>&1 \
+    || { cat "$WORK/initdb.log" >&2; exit 1; }
+  PGPORT=$(free_port)
+  export PGPORT
+  as_postgres "$PG_BIN/pg_ctl" -D "$PG_DIR/data" -l "$PG_DIR/server.log" -w -t 60 start \
+    -o "-p $PGPORT -c listen_addresses=127.0.0.1 -c unix_socket_directories=$PG_DIR -c max_connections=200 \
+        -c shared_preload_libraries=pg_stat_statements -c pg_stat_statements.track=all" >/dev/null \
+    || { cat "$PG_DIR/server.log" >&2; exit 1; }
+  DB_URL="postgres://postgres@127.0.0.1:$PGPORT/$DB?sslmode=disable"
 }
 trap cleanup EXIT
 
@@ -35,6 +65,7 @@ wait_http() { # url what log
 
 create_db() {
   psql -h 127.0.0.1 -U postgres -w -qc "create database $DB" postgres
+  [ -z "$PG_DIR" ] || psql -h 127.0.0.1 -U postgres -w -qc "create extension pg_stat_statements" "$DB"
 }
 
 start_demo() { # sets DEMO (host:port)

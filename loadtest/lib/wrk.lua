@@ -1,5 +1,5 @@
 -- wrk driver for loadtest/bench. Environment:
---   MODE   = new | replay | direct | static
+--   MODE   = new | replay | direct | static | healthz
 --   TOKEN  = bearer token (idemgate modes); KEYS = replay key count; RUN = run id
 local mode = os.getenv("MODE") or "new"
 local token = os.getenv("TOKEN") or ""
@@ -29,6 +29,8 @@ function request()
   elseif mode == "direct" then
     h["X-Tenant-Id"] = "bench"
     h["Idempotency-Key"] = string.format("direct-%s-%d-%d", run, id, counter)
+  elseif mode == "healthz" then
+    return wrk.format("GET", "/healthz")
   end
   return wrk.format("POST", "/payments", h, body)
 end

@@ -8,6 +8,7 @@
 //! | `redis.probe_interval` | `1s` | how often an open breaker tries Redis again |
 //! | `redis.local_cache_entries` | `10000` | completed responses also kept in-process (0: none) |
 //! | `redis.local_cache_bytes` | `67108864` | the bytes those copies may hold (LRU) |
+//! | `redis.lock` | `true` | take the in-progress lock in Redis before a new key's Postgres claim |
 
 use std::time::Duration;
 
@@ -39,6 +40,11 @@ pub struct RedisConfig {
     /// The bytes those in-process copies may hold in all (least recently used go first).
     #[serde(default = "default_local_cache_bytes")]
     pub local_cache_bytes: usize,
+    /// Take the in-progress lock in Redis before a new key's Postgres claim, so that
+    /// concurrent duplicates are turned away before Postgres. `false`: the lookup only
+    /// reads a completed answer, and Postgres decides alone (it does anyway).
+    #[serde(default = "default_lock")]
+    pub lock: bool,
 }
 
 fn default_local_cache_entries() -> usize {
@@ -46,6 +52,9 @@ fn default_local_cache_entries() -> usize {
 }
 fn default_local_cache_bytes() -> usize {
     64 * 1024 * 1024
+}
+fn default_lock() -> bool {
+    true
 }
 fn default_prefix() -> String {
     "idem:".into()

@@ -237,7 +237,10 @@ impl<L: Ledger, C: Cache> Engine<L, C> {
                 });
             }
             CacheLookup::Acquired => locked = true,
-            CacheLookup::InLedger | CacheLookup::Locked { .. } | CacheLookup::Unavailable => {}
+            CacheLookup::InLedger
+            | CacheLookup::Locked { .. }
+            | CacheLookup::Absent
+            | CacheLookup::Unavailable => {}
         }
 
         let deadline = req.wait.map(|w| Instant::now() + w);

@@ -162,6 +162,9 @@ pub enum CacheLookup {
     Locked { held_for: Duration },
     /// The lock was taken for this attempt.
     Acquired,
+    /// No answer is cached, and no lock was taken (`redis.lock = false`): the ledger
+    /// decides.
+    Absent,
     /// The cache could not be asked (down, slow, circuit open): the ledger decides.
     Unavailable,
 }

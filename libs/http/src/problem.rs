@@ -16,9 +16,11 @@
 //! Causes go to the log (`tracing::error!`/`warn!` with the error's whole chain), not to
 //! the client.
 
+use std::sync::OnceLock;
 use std::time::Duration;
 
 use axum::response::{IntoResponse, Response};
+use bytes::Bytes;
 use http::{HeaderValue, StatusCode, header};
 use idem_auth::AuthError;
 use idem_core::KeyError;
@@ -297,8 +299,9 @@ impl Problem {
     }
 }
 
-impl IntoResponse for Problem {
-    fn into_response(self) -> Response {
+impl Problem {
+    /// Its status and problem document.
+    fn render(&self) -> (StatusCode, Bytes) {
         let (status, slug, title, detail) = self.parts();
         let mut body = json!({
             "type": format!("{TYPE_BASE}{slug}"),
@@ -310,7 +313,29 @@ impl IntoResponse for Problem {
             body["operation_state"] = state.into();
             body["safe_new_key"] = safe_new_key.into();
         }
-        let mut response = (status, body.to_string()).into_response();
+        (status, Bytes::from(body.to_string()))
+    }
+
+    /// [`Self::render`], once for a problem whose document never varies: the refusals
+    /// that come in floods (a tenant over its quota, a gateway over its limits, a ledger
+    /// gone, a client without keys), so that refusing costs no more than it must.
+    fn rendered(&self) -> (StatusCode, Bytes) {
+        static DOCUMENTS: [OnceLock<(StatusCode, Bytes)>; 5] = [const { OnceLock::new() }; 5];
+        let at = match self {
+            Problem::TenantRateLimited { .. } => 0,
+            Problem::TenantConcurrencyLimited => 1,
+            Problem::Overloaded => 2,
+            Problem::LedgerUnavailable => 3,
+            Problem::KeyMissing => 4,
+            _ => return self.render(),
+        };
+        DOCUMENTS[at].get_or_init(|| self.render()).clone()
+    }
+}
+
+impl IntoResponse for Problem {
+    fn into_response(self) -> Response {
+        let mut response = self.rendered().into_response();
         response
             .extensions_mut()
             .insert(OutcomeLabel(self.outcome()));
@@ -365,5 +390,36 @@ impl IntoResponse for Problem {
             _ => {}
         }
         response
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The documents rendered once are the ones rendered afresh, and carry nothing of
+    /// the request (a rate limit's wait is in its header, never in its body).
+    #[test]
+    fn documents_rendered_once_are_the_same_documents() {
+        let constant = [
+            Problem::TenantRateLimited {
+                retry_after: Duration::from_millis(1500),
+            },
+            Problem::TenantConcurrencyLimited,
+            Problem::Overloaded,
+            Problem::LedgerUnavailable,
+            Problem::KeyMissing,
+        ];
+        for problem in &constant {
+            assert_eq!(problem.rendered(), problem.render(), "{problem:?}");
+            assert_eq!(problem.rendered(), problem.rendered(), "{problem:?}");
+        }
+        let later = Problem::TenantRateLimited {
+            retry_after: Duration::from_secs(30),
+        };
+        assert_eq!(later.render(), constant[0].render());
+        let response = later.into_response();
+        assert_eq!(response.status(), StatusCode::TOO_MANY_REQUESTS);
+        assert_eq!(response.headers()[header::RETRY_AFTER], "30");
     }
 }

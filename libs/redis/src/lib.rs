@@ -43,6 +43,8 @@ pub struct RedisSettings {
     pub timeout: Duration,
     /// How often an open breaker tries to reconnect (`redis.probe_interval`).
     pub reconnect_interval: Duration,
+    /// Whether a lookup that finds no answer takes the in-progress lock (`redis.lock`).
+    pub lock: bool,
 }
 
 impl From<&idem_config::RedisConfig> for RedisSettings {
@@ -62,6 +64,7 @@ impl From<&idem_config::RedisConfig> for RedisSettings {
             prefix: redis.prefix.clone(),
             timeout: redis.timeout,
             reconnect_interval: redis.probe_interval,
+            lock: redis.lock,
         }
     }
 }
@@ -98,6 +101,7 @@ pub struct RedisCache {
     breaker: Arc<Breaker>,
     notifier: Arc<Notifier>,
     prefix: Arc<str>,
+    lock: bool,
 }
 
 impl std::fmt::Debug for RedisCache {
@@ -124,6 +128,7 @@ impl RedisCache {
             breaker,
             notifier: Arc::new(Notifier::start(first)),
             prefix: settings.prefix.as_str().into(),
+            lock: settings.lock,
         })
     }
 
@@ -153,10 +158,15 @@ fn millis(d: Duration) -> u64 {
 impl Cache for RedisCache {
     async fn lookup(&self, scope: &Scope, attempt: AttemptId, lease: Duration) -> CacheLookup {
         let keys = keys::scope_keys(&self.prefix, scope);
+        let script = if self.lock {
+            &scripts::LOOKUP
+        } else {
+            &scripts::READ
+        };
         let reply = self
             .breaker
             .run("lookup", |mut conn| async move {
-                scripts::LOOKUP
+                script
                     .key(&keys.response)
                     .key(&keys.lock)
                     .arg(token(attempt))
@@ -190,6 +200,10 @@ impl Cache for RedisCache {
             Some([Value::Int(2)]) => {
                 stats.misses.fetch_add(1, Ordering::Relaxed);
                 CacheLookup::Acquired
+            }
+            Some([Value::Int(5)]) => {
+                stats.misses.fetch_add(1, Ordering::Relaxed);
+                CacheLookup::Absent
             }
             Some([Value::Int(3), Value::Int(held)]) => {
                 stats.misses.fetch_add(1, Ordering::Relaxed);

@@ -30,6 +30,18 @@ pub static LOOKUP: LazyLock<Script> = LazyLock::new(|| {
     )
 });
 
+/// [`LOOKUP`] without the lock (`redis.lock = false`): `{1, response, pttl}` (cached) or
+/// `{5}` (no answer: the ledger decides). Same keys and arguments.
+pub static READ: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(
+        r"
+        local r = redis.call('GET', KEYS[1])
+        if r then return {1, r, redis.call('PTTL', KEYS[1])} end
+        return {5}
+        ",
+    )
+});
+
 /// KEYS: response, lock. ARGV: entry, ttl ms, token, channel.
 /// Caches the response (unless Redis refuses the write, e.g. OOM), drops the lock if
 /// this attempt still holds it, announces it.

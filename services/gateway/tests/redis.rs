@@ -152,6 +152,40 @@ async fn a_concurrent_duplicate_is_turned_away_by_the_lock_alone() {
     assert_eq!(first.await.unwrap().status, StatusCode::CREATED);
 }
 
+/// `redis.lock = false`: a new key writes no lock, a storm of duplicates is decided by
+/// Postgres alone (one execution, the rest in progress or replayed), and Redis still
+/// serves the completed answer, to the other gateway too, without Postgres.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_the_lock_postgres_decides_and_redis_still_replays() {
+    let db = TestDb::create().await;
+    let demo = Demo::start(&db).await;
+    let redis = RedisServer::start(&[]);
+    let cfg = TestConfig::new(&db)
+        .redis(&redis.url())
+        .set("redis.lock", false)
+        .payments(&demo, |r| r);
+    let (a, b) = (
+        Gateway::start(config(cfg.clone())).await,
+        Gateway::start(config(cfg)).await,
+    );
+    let key = new_key();
+    let body = storm(&[&a, &b], &db, &key, async || {
+        // Real time: while the first attempt runs upstream.
+        tokio::time::sleep(Duration::from_millis(150)).await;
+        let locks = redis.cli(&["--scan", "--pattern", "*:l"]);
+        assert_eq!(locks.trim(), "", "no lock was written");
+    })
+    .await;
+    let calls = (a.ledger_calls(), b.ledger_calls());
+    replays_are_identical(&[&a, &b], &key, &body).await;
+    assert_eq!(
+        (a.ledger_calls(), b.ledger_calls()),
+        calls,
+        "the replays came from Redis"
+    );
+    assert!(a.cache_stats().hits > 0 && b.cache_stats().hits > 0);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_killed_mid_storm_changes_nothing_a_client_sees() {
     let db = TestDb::create().await;
@@ -484,6 +518,7 @@ async fn completions_and_releases_are_announced_over_pubsub() {
         prefix: "idem:".into(),
         timeout: Duration::from_millis(200),
         reconnect_interval: Duration::from_millis(200),
+        lock: true,
     };
     let (waiter, announcer) = (
         RedisCache::start(&settings).await.unwrap(),

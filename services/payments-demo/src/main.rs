@@ -85,6 +85,20 @@ pub(crate) struct Kind {
     path: &'static str,
     /// The outbox topic of a new one (embedded mode).
     topic: &'static str,
+    /// The insert of a new one: id, tenant, key, attempt, reference, amount.
+    insert: &'static str,
+}
+
+macro_rules! insert_sql {
+    ($table:literal, $ref_column:literal) => {
+        concat!(
+            "INSERT INTO ",
+            $table,
+            " (id, tenant_id, idempotency_key, idempotency_attempt, ",
+            $ref_column,
+            ", amount_uah) VALUES ($1, $2, $3, $4, $5, $6)"
+        )
+    };
 }
 
 const PAYMENT: Kind = Kind {
@@ -94,6 +108,7 @@ const PAYMENT: Kind = Kind {
     ref_column: "order_id",
     path: "/payments",
     topic: "payment.created",
+    insert: insert_sql!("demo_payments", "order_id"),
 };
 const REFUND: Kind = Kind {
     table: "demo_refunds",
@@ -102,6 +117,7 @@ const REFUND: Kind = Kind {
     ref_column: "payment_id",
     path: "/refunds",
     topic: "refund.created",
+    insert: insert_sql!("demo_refunds", "payment_id"),
 };
 
 #[tokio::main]
@@ -307,12 +323,7 @@ impl Input {
         key: Option<&str>,
         attempt: Option<&str>,
     ) -> sqlx::Result<()> {
-        let sql = format!(
-            "INSERT INTO {} (id, tenant_id, idempotency_key, idempotency_attempt, {}, amount_uah) \
-             VALUES ($1, $2, $3, $4, $5, $6)",
-            self.kind.table, self.kind.ref_column
-        );
-        sqlx::query(sqlx::AssertSqlSafe(sql))
+        sqlx::query(self.kind.insert)
             .bind(id)
             .bind(tenant)
             .bind(key)
@@ -385,5 +396,97 @@ async fn by_key(
             tracing::error!(error = %e, "lookup failed");
             problem(StatusCode::SERVICE_UNAVAILABLE, "database unavailable")
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use idem_postgres::ledger::claim::CLAIM_ONE_SQL;
+    use idem_postgres::ledger::complete::COMPLETE_ONE_SQL;
+
+    const SCRIPT: &str = "../../loadtest/lib/pgbench-embedded.sql";
+
+    /// `sql` with its parameters `$1`, `$2`, … replaced by `values[0]`, `values[1]`, ….
+    fn with_values(sql: &str, values: &[&str]) -> String {
+        let mut out = String::with_capacity(sql.len());
+        let mut rest = sql;
+        while let Some(at) = rest.find('$') {
+            out.push_str(&rest[..at]);
+            let digits = rest[at + 1..]
+                .find(|c: char| !c.is_ascii_digit())
+                .unwrap_or(rest.len() - at - 1);
+            let n: usize = rest[at + 1..at + 1 + digits].parse().expect("a parameter");
+            out.push_str(values[n - 1]);
+            rest = &rest[at + 1 + digits..];
+        }
+        out + rest
+    }
+
+    /// Case (m) of `loadtest/bench` is embedded mode's Postgres work for one new key (case
+    /// k) sent by pgbench: the very statements idem-embedded and this demo send, with
+    /// pgbench's values for their parameters. The script is generated from the
+    /// statements; `PAYMENTS_DEMO_WRITE_PGBENCH=1 cargo test -p payments-demo` rewrites it
+    /// after they change.
+    #[test]
+    fn the_benchs_case_m_sends_embedded_modes_statements() {
+        let key = "'pg-' || :client_id::text || '-' || :n::text";
+        let hash = "decode(md5(:n::text) || md5(:n::text), 'hex')";
+        let attempt = "md5(:n::text)::uuid";
+        let tenant = "'pgbench-m'";
+        let endpoint = "'POST /payments'";
+        // tenant, endpoint, key, request hash, attempt, lease ms, trace context, TTL ms,
+        // the lock wait after the claim.
+        let claim = with_values(
+            CLAIM_ONE_SQL,
+            &[
+                tenant, endpoint, key, hash, attempt, "5000", "NULL", "86400000", "'5000ms'",
+            ],
+        );
+        // id, tenant, key, attempt, reference, amount.
+        let insert = with_values(
+            super::PAYMENT.insert,
+            &[
+                "gen_random_uuid()",
+                tenant,
+                key,
+                "md5(:n::text)",
+                "'order-1'",
+                "100",
+            ],
+        );
+        // tenant, endpoint, key, attempt, status, headers, body, TTL ms, body omitted.
+        let headers =
+            r#"'[["content-type","application/json"],["location","/payments/x"]]'::jsonb"#;
+        let body = r"'\x7b7d'::bytea";
+        let complete = with_values(
+            COMPLETE_ONE_SQL,
+            &[
+                tenant, endpoint, key, attempt, "201", headers, body, "86400000", "false",
+            ],
+        );
+        let script = format!(
+            "-- (m) Embedded mode's Postgres work for one new key (case k), sent by pgbench: the\n\
+             -- statements idem-embedded and payments-demo send, one per line, with pgbench's\n\
+             -- values for their parameters (prepared, like sqlx; BEGIN and its lock wait are one\n\
+             -- simple query in case k, two statements here). Generated from the statements by\n\
+             -- payments-demo's test the_benchs_case_m_sends_embedded_modes_statements: do not edit.\n\
+             \\set n random(1, 9000000000000000000)\n\
+             BEGIN;\n\
+             SET LOCAL lock_timeout = '20ms';\n\
+             {claim};\n\
+             {insert};\n\
+             {complete};\n\
+             COMMIT;\n"
+        );
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join(SCRIPT);
+        if std::env::var_os("PAYMENTS_DEMO_WRITE_PGBENCH").is_some() {
+            std::fs::write(&path, &script).unwrap();
+        }
+        let committed = std::fs::read_to_string(&path).unwrap();
+        assert!(
+            committed == script,
+            "{SCRIPT} is not the statements embedded mode sends: rewrite it with \
+             PAYMENTS_DEMO_WRITE_PGBENCH=1 cargo test -p payments-demo"
+        );
     }
 }

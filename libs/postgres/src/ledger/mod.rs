@@ -279,14 +279,20 @@ impl PgLedger {
         let seen = self
             .traced("claim", self.claims().write(claim::ClaimRow::of(c)))
             .await??;
+        // The paths past a new key's claim are boxed: a future is as large as its largest
+        // branch, and a statement on a pooled connection is a large one (sqlx's acquire
+        // alone is 14 KiB), which every new key would otherwise carry, and copy, through
+        // its task.
         let found = match seen {
             Some(Seen::Claimed) => return Ok(Some(ClaimResult::Claimed)),
             Some(Seen::Locked) => return Ok(Some(ClaimResult::Locked)),
             Some(Seen::Row(found)) => Some(found),
-            None => self.read(c.scope).await?,
+            None => Box::pin(self.read(c.scope)).await?,
         };
         match found {
-            Some(found) => Ok(self.whole(c.scope, found).await?.map(ClaimResult::Existing)),
+            Some(found) => Ok(Box::pin(self.whole(c.scope, found))
+                .await?
+                .map(ClaimResult::Existing)),
             None => Ok(None),
         }
     }
@@ -308,10 +314,11 @@ impl Ledger for PgLedger {
 
     async fn get(&self, scope: &Scope) -> Result<Option<Record>, LedgerError> {
         for _ in 0..CLAIM_ROUNDS {
-            let Some(found) = self.read(scope).await? else {
+            // Boxed, as in a claim: waits and lookups call this, not every request.
+            let Some(found) = Box::pin(self.read(scope)).await? else {
                 return Ok(None);
             };
-            if let Some(record) = self.whole(scope, found).await? {
+            if let Some(record) = Box::pin(self.whole(scope, found)).await? {
                 return Ok(Some(record));
             }
         }
