@@ -1,5 +1,5 @@
 -- wrk driver for loadtest/bench. Environment:
---   MODE   = new | replay | direct | static | healthz
+--   MODE   = new | replay | direct | static | healthz | peer
 --   TOKEN  = bearer token (idemgate modes); KEYS = replay key count; RUN = run id
 local mode = os.getenv("MODE") or "new"
 local token = os.getenv("TOKEN") or ""
@@ -31,6 +31,12 @@ function request()
     h["Idempotency-Key"] = string.format("direct-%s-%d-%d", run, id, counter)
   elseif mode == "healthz" then
     return wrk.format("GET", "/healthz")
+  elseif mode == "peer" then
+    -- idempotent-proxy-server: the upstream named by its URL_PAYMENTS variable, the key in
+    -- Idempotency-Key, the tenant header passed on to the demo as in `direct`.
+    h["X-Tenant-Id"] = "bench"
+    h["Idempotency-Key"] = string.format("peer-%s-%d-%d", run, id, counter)
+    return wrk.format("POST", "/URL_PAYMENTS", h, body)
   end
   return wrk.format("POST", "/payments", h, body)
 end

@@ -5,6 +5,11 @@
 //! The set in use only ever changes to another good set: a failed fetch keeps the last
 //! good keys (and is counted). Every change bumps [`KeysNow::generation`], which the
 //! verified-token memory is tagged with, so no token outlives the key that signed it.
+//!
+//! # Why one file of ~420 lines
+//! Discovery, the fetch, the background refresh and the refetch on an unknown key id
+//! share one rule (the set changes only to another good set, and one fetch at a time
+//! serves everyone waiting); split apart, each part would have to restate it.
 
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};

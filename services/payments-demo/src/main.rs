@@ -22,6 +22,11 @@
 //! worker delivers the outbox after commit ([`outbox`]). `X-Demo-Delay-Ms` then sleeps
 //! after the insert and before the commit, and `X-Demo-Fail: 500` answers 500 after the
 //! insert (so it is rolled back).
+//!
+//! # Why one file of ~400 lines
+//! The demo is read as one page: its routes, the rows they write and the headers that
+//! bend them for tests (delay, failure, probe) side by side; its embedded mode
+//! (`embedded.rs`) and outbox worker (`outbox.rs`) are modules of their own.
 #![forbid(unsafe_code)]
 
 mod embedded;
