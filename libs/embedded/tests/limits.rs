@@ -151,3 +151,45 @@ async fn an_answer_before_the_body_is_read_says_connection_close() {
     );
     assert_eq!(svc.records().await, 0);
 }
+
+/// A keep-alive client sends a body over `max_body_bytes` (4 KiB here), 300 times: every
+/// time it gets the 413 problem whole, told `Connection: close`, and the connection then
+/// ends cleanly — never reset under the answer while the rest of the body is unread.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_early_answer_always_reaches_its_client() {
+    let svc = service(|o| o.max_body_bytes(4096), None).await;
+    let body = vec![b'x'; 1024 * 1024];
+    let head = format!(
+        "POST /orders HTTP/1.1\r\nhost: svc\r\nauthorization: Bearer {}\r\n\
+         idempotency-key: k-early\r\ncontent-type: application/octet-stream\r\n\
+         content-length: {}\r\n\r\n",
+        token("acme"),
+        body.len()
+    );
+    let mut request = head.into_bytes();
+    request.extend_from_slice(&body);
+    for try_ in 0..300 {
+        let mut conn = tokio::net::TcpStream::connect(svc.addr()).await.unwrap();
+        if let Err(e) = conn.write_all(&request).await {
+            panic!("try {try_}: the request could not be sent: {e}");
+        }
+        let answer = tokio::time::timeout(Duration::from_secs(10), read_answer(&mut conn))
+            .await
+            .unwrap_or_else(|_| panic!("try {try_}: no answer in 10 s"))
+            .unwrap_or_else(|e| panic!("try {try_}: the answer was lost: {e}"));
+        assert!(
+            answer.head.starts_with("http/1.1 413"),
+            "try {try_}: {}",
+            answer.head
+        );
+        assert!(answer.says_close(), "try {try_}: no Connection: close");
+        let mut rest = Vec::new();
+        let ended = tokio::time::timeout(Duration::from_secs(10), conn.read_to_end(&mut rest))
+            .await
+            .unwrap_or_else(|_| panic!("try {try_}: the connection stayed open after close"));
+        if let Err(e) = ended {
+            panic!("try {try_}: the connection was reset, not closed: {e}");
+        }
+    }
+    assert_eq!(svc.records().await, 0);
+}

@@ -10,6 +10,7 @@ use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 use secrecy::SecretString;
+use tokio::io::AsyncReadExt;
 
 pub fn token(tenant: &str) -> String {
     idem_auth::mint_hs256(
@@ -197,4 +198,49 @@ pub fn payment(order: &str, amount: u64) -> String {
 /// A fresh key.
 pub fn new_key() -> String {
     format!("key-{}", uuid::Uuid::new_v4())
+}
+
+/// One answer read off a raw connection: its head (lower case) and body.
+pub struct RawAnswer {
+    pub head: String,
+    pub body: Vec<u8>,
+}
+
+impl RawAnswer {
+    pub fn says_close(&self) -> bool {
+        self.head.lines().any(|l| l == "connection: close")
+    }
+}
+
+/// Reads one answer whose body has a `content-length` off a raw connection.
+pub async fn read_answer(conn: &mut tokio::net::TcpStream) -> Result<RawAnswer, String> {
+    let mut got = Vec::new();
+    let mut buf = [0u8; 8192];
+    let end = loop {
+        if let Some(end) = got.windows(4).position(|w| w == b"\r\n\r\n") {
+            break end + 4;
+        }
+        match conn.read(&mut buf).await {
+            Ok(0) => return Err(format!("closed after {} bytes", got.len())),
+            Ok(n) => got.extend_from_slice(&buf[..n]),
+            Err(e) => return Err(format!("{e} after {} bytes", got.len())),
+        }
+    };
+    let head = String::from_utf8_lossy(&got[..end]).to_ascii_lowercase();
+    let length: usize = head
+        .lines()
+        .find_map(|l| l.strip_prefix("content-length: "))
+        .and_then(|n| n.trim().parse().ok())
+        .unwrap_or(0);
+    while got.len() < end + length {
+        match conn.read(&mut buf).await {
+            Ok(0) => return Err("closed inside the body".into()),
+            Ok(n) => got.extend_from_slice(&buf[..n]),
+            Err(e) => return Err(format!("{e} inside the body")),
+        }
+    }
+    Ok(RawAnswer {
+        head,
+        body: got[end..end + length].to_vec(),
+    })
 }

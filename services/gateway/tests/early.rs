@@ -12,51 +12,6 @@ use common::*;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
-/// One answer read off a raw connection: its head (lower case) and body.
-struct Raw {
-    head: String,
-    body: Vec<u8>,
-}
-
-impl Raw {
-    fn says_close(&self) -> bool {
-        self.head.lines().any(|l| l == "connection: close")
-    }
-}
-
-/// Reads one answer whose body has a `content-length`.
-async fn read_answer(conn: &mut TcpStream) -> Result<Raw, String> {
-    let mut got = Vec::new();
-    let mut buf = [0u8; 8192];
-    let end = loop {
-        if let Some(end) = got.windows(4).position(|w| w == b"\r\n\r\n") {
-            break end + 4;
-        }
-        match conn.read(&mut buf).await {
-            Ok(0) => return Err(format!("closed after {} bytes", got.len())),
-            Ok(n) => got.extend_from_slice(&buf[..n]),
-            Err(e) => return Err(format!("{e} after {} bytes", got.len())),
-        }
-    };
-    let head = String::from_utf8_lossy(&got[..end]).to_ascii_lowercase();
-    let length: usize = head
-        .lines()
-        .find_map(|l| l.strip_prefix("content-length: "))
-        .and_then(|n| n.trim().parse().ok())
-        .unwrap_or(0);
-    while got.len() < end + length {
-        match conn.read(&mut buf).await {
-            Ok(0) => return Err("closed inside the body".into()),
-            Ok(n) => got.extend_from_slice(&buf[..n]),
-            Err(e) => return Err(format!("{e} inside the body")),
-        }
-    }
-    Ok(Raw {
-        head,
-        body: got[end..end + length].to_vec(),
-    })
-}
-
 /// A keep-alive client sends a body over `server.max_body_bytes` (4 KiB here), 1,000
 /// times: every time it gets the 413 problem, and its next request goes on the same
 /// connection or it was told `Connection: close` and the connection then ended cleanly.
