@@ -32,6 +32,11 @@
 //!   is given up: its connection is closed, never pooled again, and its rows are undone
 //!   then and once more an op timeout later, when nothing it started can still commit.
 //!
+//! Between statements the driver keeps the last one's connection ([`Warm`]), when the pool
+//! can spare it, for at most [`WARM_IDLE`] without work and [`WARM_FOR`] in all: given back
+//! to the pool after every statement, a connection costs a round trip of its own (sqlx pings
+//! each connection it gets back), as many as the statements themselves.
+//!
 //! # Why one file of ~500 lines
 //! The driver, the batch it takes and the statement it sends share one set of rules
 //! (the list above: every job its own deadline, its own outcome, undone if abandoned);
@@ -39,8 +44,8 @@
 
 use std::collections::{HashSet, VecDeque};
 use std::pin::pin;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use idem_core::{LedgerError, Scope};
@@ -62,6 +67,13 @@ pub const SLOW: Duration = Duration::from_millis(20);
 /// A job is sent only with at least this much of its op timeout left: less is no
 /// budget for a round trip, let alone a commit.
 pub const MIN_BUDGET: Duration = Duration::from_millis(10);
+
+/// A connection kept between statements is given back after this long without one...
+pub const WARM_IDLE: Duration = Duration::from_millis(100);
+
+/// ...and after this long in all, so the pool's own rules (lifetime, idle checks) still
+/// see it.
+pub const WARM_FOR: Duration = Duration::from_secs(60);
 
 /// One kind of row written in groups.
 pub trait Batch: Send + Sync + 'static {
@@ -183,6 +195,7 @@ impl<B: Batch> Pipe<B> {
             in_flight: in_flight.max(1),
             op_timeout,
             counts: counts.clone(),
+            warm: Arc::default(),
         };
         tokio::spawn(driver.drive::<B>(jobs));
         Self {
@@ -229,6 +242,14 @@ struct Driver {
     in_flight: usize,
     op_timeout: Duration,
     counts: Arc<Counts>,
+    warm: Arc<Mutex<Option<Warm>>>,
+}
+
+/// The connection the last statement used, kept for the next one.
+struct Warm {
+    conn: PoolConnection<Postgres>,
+    since: Instant,
+    last: Instant,
 }
 
 /// Why a statement has no outcomes.
@@ -287,7 +308,15 @@ impl Driver {
                 return;
             };
             if waiting.is_empty() {
-                match jobs.recv().await {
+                let next = match tokio::time::timeout(WARM_IDLE, jobs.recv()).await {
+                    Ok(next) => next,
+                    Err(_) => {
+                        // Nothing to write for a while: the kept connection goes back.
+                        drop(self.warm.lock().expect("warm connection").take());
+                        jobs.recv().await
+                    }
+                };
+                match next {
                     Some(job) => waiting.push_back(job),
                     None => return,
                 }
@@ -426,11 +455,18 @@ impl Driver {
         let last = waits.iter().map(|w| w.deadline).max();
         let give_up_at = last.expect("a statement has a row") + self.op_timeout;
         let mut conn: Option<PoolConnection<Postgres>> = None;
+        let warm = self.take_warm();
+        let warm_since = warm.as_ref().map(|(_, since)| *since);
         let ended = {
             let (pool, held) = (&self.pool, &mut conn);
             let statement = async move {
-                let acquired = pool.acquire().await;
-                let conn = held.insert(acquired.map_err(|e| Failure::NotSent(Arc::new(e)))?);
+                let conn = match warm {
+                    Some((conn, _)) => held.insert(conn),
+                    None => {
+                        let acquired = Box::pin(pool.acquire()).await;
+                        held.insert(acquired.map_err(|e| Failure::NotSent(Arc::new(e)))?)
+                    }
+                };
                 B::write(conn, rows).await.map_err(Failure::of_statement)
             };
             let mut statement = pin!(statement);
@@ -456,15 +492,42 @@ impl Driver {
             }
         };
         self.counts.add::<B>(rows.len());
-        if let Some(conn) = conn.as_mut()
-            && (matches!(ended, Err(Failure::GivenUp)) || B::close_after(rows))
-        {
-            // Given up mid-statement (its state unknown), or grown large: never pooled.
-            conn.close_on_drop();
+        if let Some(mut conn) = conn {
+            if matches!(ended, Err(Failure::GivenUp)) || B::close_after(rows) {
+                // Given up mid-statement (its state unknown), or grown large: never pooled.
+                conn.close_on_drop();
+            } else if ended.is_ok() {
+                self.keep_warm(conn, warm_since);
+            }
         }
         match ended {
             Ok(outcomes) if outcomes.len() != rows.len() => Err(Failure::Miscounted),
             ended => ended,
+        }
+    }
+
+    /// The kept connection and since when it is kept, if it is still fresh (a stale one
+    /// goes back to the pool).
+    fn take_warm(&self) -> Option<(PoolConnection<Postgres>, Instant)> {
+        let warm = self.warm.lock().expect("warm connection").take()?;
+        let now = Instant::now();
+        (now - warm.last < WARM_IDLE && now - warm.since < WARM_FOR)
+            .then_some((warm.conn, warm.since))
+    }
+
+    /// Keeps `conn` for the next statement, unless another is kept already or the pool
+    /// has none to spare for anyone else (then it goes back).
+    fn keep_warm(&self, conn: PoolConnection<Postgres>, since: Option<Instant>) {
+        let max = self.pool.options().get_max_connections();
+        let spare = self.pool.num_idle() > 0 || self.pool.size() < max;
+        let mut warm = self.warm.lock().expect("warm connection");
+        if warm.is_none() && spare {
+            let now = Instant::now();
+            *warm = Some(Warm {
+                conn,
+                since: since.unwrap_or(now),
+                last: now,
+            });
         }
     }
 

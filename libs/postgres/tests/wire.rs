@@ -1,0 +1,42 @@
+//! What the ledger's group statements cost on the wire, counted through a proxy
+//! ([`PgCounter`]): round trips, not time.
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+use idem_postgres::PgLedger;
+use idem_testkit::{PgCounter, TestDb};
+
+/// Claims sent one after another each go as one statement, on a connection the pipe kept
+/// from the statement before: one round trip each. (On 16d2368 every statement took its
+/// connection from the pool and gave it back, and sqlx pings each connection it gets
+/// back, and a connection new to the statement prepares it again: "left: 21, right:
+/// 10", messages `SPDSBECSSBECSS…`.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn statements_in_a_row_cost_one_round_trip_each() {
+    let db = TestDb::create().await;
+    db.migrate().await;
+    let counter = PgCounter::start("127.0.0.1:5432".parse().unwrap()).await;
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(4)
+        .test_before_acquire(false)
+        .connect(&counter.url(&db.url))
+        .await
+        .unwrap();
+    let ledger = PgLedger::new(pool, Duration::from_secs(5));
+    // The first statement prepares what the rest reuse.
+    claim(&ledger, &scope("wire-0"), Duration::from_secs(30)).await;
+    let before = counter.wire();
+    for i in 1..=10 {
+        claim(
+            &ledger,
+            &scope(&format!("wire-{i}")),
+            Duration::from_secs(30),
+        )
+        .await;
+    }
+    let spent = counter.wire().since(&before);
+    assert_eq!(spent.round_trips, 10, "messages: {}", spent.messages);
+}
