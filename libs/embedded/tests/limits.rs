@@ -170,26 +170,14 @@ async fn an_early_answer_always_reaches_its_client() {
     request.extend_from_slice(&body);
     for try_ in 0..300 {
         let mut conn = tokio::net::TcpStream::connect(svc.addr()).await.unwrap();
-        if let Err(e) = conn.write_all(&request).await {
-            panic!("try {try_}: the request could not be sent: {e}");
-        }
-        let answer = tokio::time::timeout(Duration::from_secs(10), read_answer(&mut conn))
-            .await
-            .unwrap_or_else(|_| panic!("try {try_}: no answer in 10 s"))
-            .unwrap_or_else(|e| panic!("try {try_}: the answer was lost: {e}"));
+        let answer = exchange(&mut conn, &request, try_).await;
         assert!(
             answer.head.starts_with("http/1.1 413"),
             "try {try_}: {}",
             answer.head
         );
         assert!(answer.says_close(), "try {try_}: no Connection: close");
-        let mut rest = Vec::new();
-        let ended = tokio::time::timeout(Duration::from_secs(10), conn.read_to_end(&mut rest))
-            .await
-            .unwrap_or_else(|_| panic!("try {try_}: the connection stayed open after close"));
-        if let Err(e) = ended {
-            panic!("try {try_}: the connection was reset, not closed: {e}");
-        }
+        ends_cleanly(&mut conn, try_).await;
     }
     assert_eq!(svc.records().await, 0);
 }

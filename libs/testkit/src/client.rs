@@ -244,3 +244,33 @@ pub async fn read_answer(conn: &mut tokio::net::TcpStream) -> Result<RawAnswer, 
         body: got[end..end + length].to_vec(),
     })
 }
+
+/// Sends `request` whole on `conn` and reads one answer within 10 s; panics, naming the
+/// `attempt`, when the request cannot be sent or the answer is lost.
+pub async fn exchange(
+    conn: &mut tokio::net::TcpStream,
+    request: &[u8],
+    attempt: usize,
+) -> RawAnswer {
+    use tokio::io::AsyncWriteExt;
+    if let Err(e) = conn.write_all(request).await {
+        panic!("try {attempt}: the request could not be sent: {e}");
+    }
+    tokio::time::timeout(Duration::from_secs(10), read_answer(conn))
+        .await
+        .unwrap_or_else(|_| panic!("try {attempt}: no answer in 10 s"))
+        .unwrap_or_else(|e| panic!("try {attempt}: the answer was lost: {e}"))
+}
+
+/// After an answer that said `Connection: close`: the server ends `conn` within 10 s,
+/// cleanly and with nothing more sent — never with a reset.
+pub async fn ends_cleanly(conn: &mut tokio::net::TcpStream, attempt: usize) {
+    let mut rest = Vec::new();
+    let ended = tokio::time::timeout(Duration::from_secs(10), conn.read_to_end(&mut rest))
+        .await
+        .unwrap_or_else(|_| panic!("try {attempt}: the connection stayed open after close"));
+    if let Err(e) = ended {
+        panic!("try {attempt}: the connection was reset, not closed: {e}");
+    }
+    assert!(rest.is_empty(), "try {attempt}: bytes after the answer");
+}

@@ -41,13 +41,7 @@ async fn an_early_answer_always_reaches_its_client() {
             }
             None => TcpStream::connect(gw.addr).await.unwrap(),
         };
-        if let Err(e) = conn.write_all(&request).await {
-            panic!("try {try_}: the request could not be sent: {e}");
-        }
-        let answer = tokio::time::timeout(Duration::from_secs(10), read_answer(&mut conn))
-            .await
-            .unwrap_or_else(|_| panic!("try {try_}: no answer in 10 s"))
-            .unwrap_or_else(|e| panic!("try {try_}: the answer was lost: {e}"));
+        let answer = exchange(&mut conn, &request, try_).await;
         assert!(
             answer.head.starts_with("http/1.1 413"),
             "try {try_}: {}",
@@ -62,14 +56,7 @@ async fn an_early_answer_always_reaches_its_client() {
             "try {try_}: the 413 did not say Connection: close"
         );
         // Told to close: the gateway ends the connection once it has read the rest.
-        let mut rest = Vec::new();
-        let ended = tokio::time::timeout(Duration::from_secs(10), conn.read_to_end(&mut rest))
-            .await
-            .unwrap_or_else(|_| panic!("try {try_}: the connection stayed open after close"));
-        if let Err(e) = ended {
-            panic!("try {try_}: the connection was reset, not closed: {e}");
-        }
-        assert!(rest.is_empty(), "try {try_}: bytes after the answer");
+        ends_cleanly(&mut conn, try_).await;
         closed += 1;
     }
     assert_eq!((reused, closed), (0, 1000));
