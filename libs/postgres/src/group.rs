@@ -37,7 +37,7 @@
 //! to the pool after every statement, a connection costs a round trip of its own (sqlx pings
 //! each connection it gets back), as many as the statements themselves.
 //!
-//! # Why one file of ~500 lines
+//! # Why one file of ~590 lines
 //! The driver, the batch it takes and the statement it sends share one set of rules
 //! (the list above: every job its own deadline, its own outcome, undone if abandoned);
 //! they are read together or not at all. The statements themselves are in `ledger/`.
