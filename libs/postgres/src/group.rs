@@ -308,12 +308,20 @@ impl Driver {
                 return;
             };
             if waiting.is_empty() {
-                let next = match tokio::time::timeout(WARM_IDLE, jobs.recv()).await {
-                    Ok(next) => next,
-                    Err(_) => {
-                        // Nothing to write for a while: the kept connection goes back.
-                        drop(self.warm.lock().expect("warm connection").take());
-                        jobs.recv().await
+                let next = loop {
+                    match tokio::time::timeout(WARM_IDLE, jobs.recv()).await {
+                        Ok(next) => break next,
+                        Err(_) => {
+                            // Nothing to write for a while: the kept connection goes back.
+                            // Once no statement runs (this turn holds one place, and no other
+                            // can start without the turn), none can keep one again before
+                            // the next job: wait for it without waking up.
+                            let idle = running.available_permits() + 1 >= self.in_flight;
+                            drop(self.warm.lock().expect("warm connection").take());
+                            if idle {
+                                break jobs.recv().await;
+                            }
+                        }
                     }
                 };
                 match next {

@@ -40,3 +40,31 @@ async fn statements_in_a_row_cost_one_round_trip_each() {
     let spent = counter.wire().since(&before);
     assert_eq!(spent.round_trips, 10, "messages: {}", spent.messages);
 }
+
+/// The kept connection goes back to the pool once the pipes have had nothing to write
+/// for a moment (`WARM_IDLE`), so an idle gateway holds none out of it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_kept_connection_goes_back_to_the_pool_when_there_is_nothing_to_write() {
+    let db = TestDb::create().await;
+    db.migrate().await;
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(4)
+        .test_before_acquire(false)
+        .connect(&db.url)
+        .await
+        .unwrap();
+    let ledger = PgLedger::new(pool.clone(), Duration::from_secs(5));
+    claim(&ledger, &scope("kept-0"), Duration::from_secs(30)).await;
+    assert_eq!(
+        pool.num_idle() + 1,
+        pool.size() as usize,
+        "the claim's connection is kept for the next statement"
+    );
+    tokio::time::sleep(idem_postgres::group::WARM_IDLE * 3).await;
+    assert_eq!(
+        pool.num_idle(),
+        pool.size() as usize,
+        "given back after {:?} without work",
+        idem_postgres::group::WARM_IDLE
+    );
+}
