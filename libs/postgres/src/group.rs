@@ -504,7 +504,11 @@ impl Driver {
             if matches!(ended, Err(Failure::GivenUp)) || B::close_after(rows) {
                 // Given up mid-statement (its state unknown), or grown large: never pooled.
                 conn.close_on_drop();
-            } else if ended.is_ok() {
+            } else if matches!(&ended, Ok(outcomes) if outcomes.len() == rows.len())
+                && waits.iter().all(Wait::waiting)
+            {
+                // Kept only when nothing of it is to be undone: an undo needs a connection
+                // of the pool's while this statement still holds its place.
                 self.keep_warm(conn, warm_since);
             }
         }
