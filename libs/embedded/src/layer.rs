@@ -119,6 +119,7 @@ where
                     .await
                     .unwrap_or_else(|problem| problem.into_response());
                 consumed.close_unless_done(&mut response).await;
+                consumed.linger();
                 Span::current().record("http.response.status_code", response.status().as_u16());
                 Ok(response)
             }

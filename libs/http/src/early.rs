@@ -6,6 +6,7 @@
 //! error, the very uncertainty idemgate exists to remove. So such an answer carries
 //! `Connection: close`, in both modes; the gateway's listener also reads and discards
 //! what the client still sends before it closes (see `services/gateway/src/server.rs`),
+//! and in embedded mode [`Consumed::linger`] reads the rest of the body in the background,
 //! so the kernel never resets the connection under the answer. A small remainder (at
 //! most [`DRAIN_UP_TO`], arriving within [`DRAIN_FOR`]) is read and discarded instead,
 //! and the connection stays open for the client's next request.
@@ -23,6 +24,12 @@ use axum::response::Response;
 use bytes::Bytes;
 use http::{HeaderValue, header};
 use http_body::{Frame, SizeHint};
+
+/// What is left of a body after an early answer, read and discarded in the background by
+/// [`Consumed::linger`] (embedded mode): at most this much...
+pub const LINGER_BYTES: usize = 1 << 20;
+/// ...for at most this long.
+pub const LINGER_FOR: Duration = Duration::from_secs(2);
 
 /// A remainder this small is read and discarded after an early answer, so the
 /// connection can serve the client's next request.
@@ -59,7 +66,26 @@ impl Consumed {
             .insert(header::CONNECTION, HeaderValue::from_static("close"));
     }
 
-    /// Reads what is left of the body if it is small, within [`DRAIN_FOR`].
+    /// Behind a server that closes a connection as soon as its answer is out (hyper under
+    /// `axum::serve`, embedded mode's), the rest of an early-answered body is read and
+    /// discarded in the background — at most [`LINGER_BYTES`], for at most [`LINGER_FOR`]
+    /// — so the server goes on reading the socket and closes only once the client has sent
+    /// it all: closing with unread bytes would make the kernel reset the connection under
+    /// the answer. (The gateway's own listener lingers on the socket itself.)
+    pub fn linger(&self) {
+        let Some(state) = &self.0 else { return };
+        let Some(left) = state.left.lock().expect("body remainder").take() else {
+            return;
+        };
+        tokio::spawn(async move {
+            let limited = http_body_util::Limited::new(left, LINGER_BYTES);
+            let _ =
+                tokio::time::timeout(LINGER_FOR, http_body_util::BodyExt::collect(limited)).await;
+        });
+    }
+
+    /// Reads what is left of the body if it is small, within [`DRAIN_FOR`]; a larger
+    /// remainder stays for [`Consumed::linger`].
     async fn drain(&self) -> bool {
         let Some(state) = &self.0 else { return false };
         let left = state.left.lock().expect("body remainder").take();
@@ -68,6 +94,7 @@ impl Consumed {
             .upper()
             .is_none_or(|upper| upper > DRAIN_UP_TO)
         {
+            *state.left.lock().expect("body remainder") = Some(left);
             return false;
         }
         let limited = http_body_util::Limited::new(left, DRAIN_UP_TO as usize);
