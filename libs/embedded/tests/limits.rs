@@ -162,14 +162,7 @@ async fn an_answer_before_the_body_is_read_says_connection_close() {
 async fn an_early_answer_always_reaches_its_client() {
     let svc = service(|o| o.max_body_bytes(4096), None).await;
     let body = vec![b'x'; 1024 * 1024];
-    let head = format!(
-        "POST /orders HTTP/1.1\r\nhost: svc\r\nauthorization: Bearer {}\r\n\
-         idempotency-key: k-early\r\ncontent-type: application/octet-stream\r\n\
-         content-length: {}\r\n\r\n",
-        token("acme"),
-        body.len()
-    );
-    let mut first = head.into_bytes();
+    let mut first = raw_post_head("/orders", "acme", body.len());
     first.extend_from_slice(&body[..64 * 1024]);
     for try_ in 0..100 {
         let mut conn = tokio::net::TcpStream::connect(svc.addr()).await.unwrap();

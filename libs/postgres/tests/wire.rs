@@ -19,13 +19,7 @@ async fn statements_in_a_row_cost_one_round_trip_each() {
     let db = TestDb::create().await;
     db.migrate().await;
     let counter = PgCounter::start("127.0.0.1:5432".parse().unwrap()).await;
-    let pool = sqlx::postgres::PgPoolOptions::new()
-        .max_connections(4)
-        .test_before_acquire(false)
-        .connect(&counter.url(&db.url))
-        .await
-        .unwrap();
-    let ledger = PgLedger::new(pool, Duration::from_secs(5));
+    let ledger = PgLedger::new(pool(&counter.url(&db.url)).await, Duration::from_secs(5));
     // The first statement prepares what the rest reuse.
     claim(&ledger, &scope("wire-0"), Duration::from_secs(30)).await;
     let before = counter.wire();
@@ -47,12 +41,7 @@ async fn statements_in_a_row_cost_one_round_trip_each() {
 async fn a_kept_connection_goes_back_to_the_pool_when_there_is_nothing_to_write() {
     let db = TestDb::create().await;
     db.migrate().await;
-    let pool = sqlx::postgres::PgPoolOptions::new()
-        .max_connections(4)
-        .test_before_acquire(false)
-        .connect(&db.url)
-        .await
-        .unwrap();
+    let pool = pool(&db.url).await;
     let ledger = PgLedger::new(pool.clone(), Duration::from_secs(5));
     claim(&ledger, &scope("kept-0"), Duration::from_secs(30)).await;
     assert_eq!(
@@ -67,4 +56,14 @@ async fn a_kept_connection_goes_back_to_the_pool_when_there_is_nothing_to_write(
         "given back after {:?} without work",
         idem_postgres::group::WARM_IDLE
     );
+}
+
+/// A pool of four that does not ping a connection before handing it out, as the gateway's.
+async fn pool(url: &str) -> sqlx::PgPool {
+    sqlx::postgres::PgPoolOptions::new()
+        .max_connections(4)
+        .test_before_acquire(false)
+        .connect(url)
+        .await
+        .unwrap()
 }

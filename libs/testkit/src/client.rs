@@ -245,6 +245,18 @@ pub async fn read_answer(conn: &mut tokio::net::TcpStream) -> Result<RawAnswer, 
     })
 }
 
+/// The head of a raw `POST path` with `tenant`'s token, the key `k-early` and a body of
+/// `length` bytes (not included): for the early-answer tests of both modes.
+pub fn raw_post_head(path: &str, tenant: &str, length: usize) -> Vec<u8> {
+    format!(
+        "POST {path} HTTP/1.1\r\nhost: test\r\nauthorization: Bearer {}\r\n\
+         idempotency-key: k-early\r\ncontent-type: application/octet-stream\r\n\
+         content-length: {length}\r\n\r\n",
+        token(tenant)
+    )
+    .into_bytes()
+}
+
 /// Sends `request` whole on `conn` and reads one answer within 10 s; panics, naming the
 /// `attempt`, when the request cannot be sent or the answer is lost.
 pub async fn exchange(

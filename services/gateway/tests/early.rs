@@ -22,14 +22,7 @@ use tokio::net::TcpStream;
 async fn an_early_answer_always_reaches_its_client() {
     let (_db, gw, _http) = setup().await;
     let body = vec![b'x'; 100 * 1024];
-    let head = format!(
-        "POST /payments HTTP/1.1\r\nhost: idemgate\r\nauthorization: Bearer {}\r\n\
-         idempotency-key: k-early\r\ncontent-type: application/octet-stream\r\n\
-         content-length: {}\r\n\r\n",
-        token("acme"),
-        body.len()
-    );
-    let mut request = head.into_bytes();
+    let mut request = raw_post_head("/payments", "acme", body.len());
     request.extend_from_slice(&body);
     let mut open: Option<TcpStream> = None;
     let (mut reused, mut closed) = (0, 0);
