@@ -12,7 +12,7 @@ use idem_postgres::ledger::bodies::Bodies;
 
 use common::*;
 use idem_core::{AttemptId, BodyKind, Claim, ClaimResult, Fence, Fingerprint};
-use idem_postgres::ledger::claim::CLAIM_ONE_SQL;
+use idem_postgres::ledger::claim::{CLAIM_ONE_SQL, TAKE_OVER_ONE_SQL};
 use idem_postgres::ledger::complete::COMPLETE_ONE_SQL;
 use idem_postgres::ledger::in_tx;
 use idem_testkit::TestDb;
@@ -77,6 +77,30 @@ async fn a_transactions_claim_and_completion_are_planned_once_per_connection_by_
         tx.commit().await.unwrap();
     }
 
+    // Retries of stored keys: the insert conflicts, the take-over reads the live row.
+    for n in 1..=requests {
+        let scope = scope(&format!("old-{n}"));
+        let mut tx = conn.begin().await.unwrap();
+        let claim = Claim {
+            scope: &scope,
+            fingerprint: &fingerprint,
+            attempt: AttemptId::random(),
+            lease: Duration::from_secs(30),
+            ttl: Duration::from_secs(60),
+            trace_context: None,
+        };
+        let found = in_tx::claim(
+            &mut tx,
+            &claim,
+            Duration::from_secs(5),
+            &Bodies::new(1 << 20),
+        )
+        .await
+        .unwrap();
+        assert!(matches!(found, ClaimResult::Existing(_)), "{found:?}");
+        tx.rollback().await.unwrap();
+    }
+
     let prepared: Vec<(String, String, i64, i64)> = sqlx::query_as(
         "SELECT name, statement, generic_plans, custom_plans FROM pg_prepared_statements",
     )
@@ -89,6 +113,7 @@ async fn a_transactions_claim_and_completion_are_planned_once_per_connection_by_
         "'acme', 'POST /payments', 'x', gen_random_uuid(), 201, '[]', '\\x00', 1000, false";
     for (what, sql, args) in [
         ("claim", CLAIM_ONE_SQL, claim_args),
+        ("take-over", TAKE_OVER_ONE_SQL, claim_args),
         ("completion", COMPLETE_ONE_SQL, complete_args),
     ] {
         let (name, _, generic, custom) = prepared

@@ -25,10 +25,9 @@ use crate::group::Batch;
 /// The claim over the rows `i` the argument selects (tenant_id, endpoint, key,
 /// request_hash, attempt, lease_ms, trace_context, ttl_ms and their position n), in order:
 /// inserts the row, or takes over one that is not live (completed and expired); else
-/// returns the live row. One statement, whatever its rows come from; `$after` is added to
-/// its answer's columns, evaluated after the claim itself has run.
+/// returns the live row. One statement, whatever its rows come from.
 macro_rules! claim_sql {
-    ($claims:literal, $after:literal) => {
+    ($claims:literal) => {
         concat!(
             "WITH i AS (", $claims, "), ",
             // The live rows, by a plain read first; only the claims with no live row visible
@@ -59,17 +58,14 @@ macro_rules! claim_sql {
                ON CONFLICT (tenant_id, endpoint, key) DO UPDATE SET \
                   request_hash = EXCLUDED.request_hash, status = 'in_progress', \
                   attempt = EXCLUDED.attempt, locked_until = EXCLUDED.locked_until, \
-                  response_status = NULL, response_headers = NULL, response_body = NULL, \
-                  response_omitted = false, held_since = NULL, first_not_found_at = NULL, \
-                  probe_attempts = 0, \
                   trace_context = EXCLUDED.trace_context, created_at = EXCLUDED.created_at, \
-                  completed_at = NULL, expires_at = EXCLUDED.expires_at \
-               WHERE NOT ",
+                  expires_at = EXCLUDED.expires_at, ",
+            rules::nothing_of_the_last_attempt!(),
+            " WHERE NOT ",
             rules::live!(),
             " RETURNING k.attempt) \
              SELECT i.attempt IN (SELECT attempt FROM claimed) AS claimed, ",
             rules::record_columns!(),
-            $after,
             " FROM i LEFT JOIN seen AS k ON k.n = i.n ORDER BY i.n"
         )
     };
@@ -81,24 +77,49 @@ pub const CLAIM_SQL: &str = claim_sql!(
     "SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::bytea[], $5::uuid[], \
                           $6::float8[], $7::text[], $8::float8[]) WITH ORDINALITY \
        AS i(tenant_id, endpoint, key, request_hash, attempt, lease_ms, trace_context, \
-            ttl_ms, n)",
-    ""
+            ttl_ms, n)"
 );
 
-/// The same claim of one row, $1..$8 as scalars: embedded mode's, one per transaction.
-/// Postgres plans the array form afresh for every execution (its generic plan guesses
-/// the arrays' length), which costs more than running it; this one it plans once per
-/// connection, by the key's index.
+/// Embedded mode's claim of one key, $1..$8 as scalars (tenant, endpoint, key, request
+/// hash, attempt, lease ms, trace context, TTL ms), one per transaction: a plain insert,
+/// for the key that has no row yet — the common case, and the cheapest statement that
+/// claims it (`loadtest/ledger-variants`: the group's read-first form as one row cost
+/// Postgres a third more). A key that has a row (a retry, an expired record) conflicts and
+/// inserts nothing; [`TAKE_OVER_ONE_SQL`] then takes it over or reads it. An insert that
+/// meets another transaction's uncommitted row of the key waits for that transaction's
+/// end, as long as the transaction's `lock_timeout` allows.
 ///
-/// Once the claim has run — after any wait on another transaction's claim of the key,
-/// which the transaction's `lock_timeout` bounded — it sets the transaction's
-/// `lock_timeout` to $9 for the rest of it (the handler's writes): a short wait for the
-/// claim and the caller's own for the handler, in one round trip.
-pub const CLAIM_ONE_SQL: &str = claim_sql!(
-    "SELECT $1::text AS tenant_id, $2::text AS endpoint, $3::text AS key, \
-       $4::bytea AS request_hash, $5::uuid AS attempt, $6::float8 AS lease_ms, \
-       $7::text AS trace_context, $8::float8 AS ttl_ms, 1::int8 AS n",
-    ", set_config('lock_timeout', $9, true) AS lock_timeout_after"
+/// Once the claim has run — after any wait — it sets the transaction's `lock_timeout` to
+/// $9 for the rest of it (the handler's writes): a short wait for the claim and the
+/// caller's own for the handler, in one round trip.
+pub const CLAIM_ONE_SQL: &str = "INSERT INTO idempotency_keys AS k \
+       (tenant_id, endpoint, key, request_hash, status, attempt, locked_until, \
+        trace_context, created_at, expires_at) \
+     VALUES ($1, $2, $3, $4, 'in_progress', $5, now() + $6::float8 * interval '1 millisecond', \
+        $7, now(), now() + $8::float8 * interval '1 millisecond') \
+     ON CONFLICT (tenant_id, endpoint, key) DO NOTHING \
+     RETURNING set_config('lock_timeout', $9, true) AS lock_timeout_after";
+
+/// Embedded mode's claim of a key [`CLAIM_ONE_SQL`] found a row for, with its parameters:
+/// takes the row over if it is not live (completed and expired), else returns the live
+/// row, read without a lock. Neither — the row went between the two statements (purged)
+/// — and the claim begins again. Sets `lock_timeout` as the insert does.
+pub const TAKE_OVER_ONE_SQL: &str = concat!(
+    "WITH taken AS (\
+       UPDATE idempotency_keys AS k SET request_hash = $4, status = 'in_progress', \
+         attempt = $5, locked_until = now() + $6::float8 * interval '1 millisecond', \
+         trace_context = $7, created_at = now(), \
+         expires_at = now() + $8::float8 * interval '1 millisecond', ",
+    rules::nothing_of_the_last_attempt!(),
+    " WHERE k.tenant_id = $1 AND k.endpoint = $2 AND k.key = $3 AND NOT ",
+    rules::live!(),
+    " RETURNING k.attempt) \
+     SELECT EXISTS (SELECT 1 FROM taken) AS claimed, ",
+    rules::record_columns!(),
+    ", set_config('lock_timeout', $9, true) AS lock_timeout_after \
+     FROM (SELECT 1) AS one LEFT JOIN idempotency_keys AS k \
+       ON k.tenant_id = $1 AND k.endpoint = $2 AND k.key = $3 AND ",
+    rules::live!()
 );
 
 /// The live row of one scope ($1, $2, $3).
@@ -143,14 +164,42 @@ impl ClaimRow {
 }
 
 impl ClaimRow {
-    /// This claim alone, by [`CLAIM_ONE_SQL`]: a claim on a caller's transaction, which
-    /// keeps `lock_timeout_after` as its `lock_timeout` after the claim.
+    /// This claim alone, by [`CLAIM_ONE_SQL`] and, when the key has a row,
+    /// [`TAKE_OVER_ONE_SQL`]: a claim on a caller's transaction, which keeps
+    /// `lock_timeout_after` as its `lock_timeout` after the claim.
     pub(crate) async fn write_one(
         &self,
         conn: &mut PgConnection,
         lock_timeout_after: Duration,
     ) -> Result<<Claims as Batch>::Outcome, sqlx::Error> {
-        let answer = sqlx::query(CLAIM_ONE_SQL)
+        let lock_timeout_after = format!("{}ms", lock_timeout_after.as_millis().max(1));
+        let inserted = self
+            .one(CLAIM_ONE_SQL, &lock_timeout_after)
+            .fetch_optional(&mut *conn)
+            .await;
+        let answer = match inserted {
+            Ok(Some(_)) => return Ok(Ok(Some(Seen::Claimed))),
+            Ok(None) => {
+                self.one(TAKE_OVER_ONE_SQL, &lock_timeout_after)
+                    .fetch_one(conn)
+                    .await
+            }
+            Err(error) => Err(error),
+        };
+        match answer {
+            Ok(answer) => Ok(claim_outcome(&answer)),
+            Err(error) if super::lock_not_available(&error) => Ok(Ok(Some(Seen::Locked))),
+            Err(error) => Err(error),
+        }
+    }
+
+    /// `sql` (one of embedded mode's two claim statements) with this claim's values.
+    fn one<'q>(
+        &'q self,
+        sql: &'static str,
+        lock_timeout_after: &'q str,
+    ) -> sqlx::query::Query<'q, sqlx::Postgres, sqlx::postgres::PgArguments> {
+        sqlx::query(sql)
             .bind(self.scope.tenant.as_str())
             .bind(self.scope.endpoint.as_str())
             .bind(self.scope.key.as_str())
@@ -159,14 +208,7 @@ impl ClaimRow {
             .bind(self.lease_ms)
             .bind(self.trace_context.as_deref())
             .bind(self.ttl_ms)
-            .bind(format!("{}ms", lock_timeout_after.as_millis().max(1)))
-            .fetch_one(conn)
-            .await;
-        match answer {
-            Ok(answer) => Ok(claim_outcome(&answer)),
-            Err(error) if super::lock_not_available(&error) => Ok(Ok(Some(Seen::Locked))),
-            Err(error) => Err(error),
-        }
+            .bind(lock_timeout_after)
     }
 }
 

@@ -1,9 +1,8 @@
 //! The ledger on a caller's transaction, for embedded mode (docs/embedded-mode.md): the claim
-//! the gateway's group pipes send, written for one row ([`CLAIM_ONE_SQL`]: the same
-//! statement, with scalars where the pipes bind arrays), and a completion of the
-//! transaction's own row ([`COMPLETE_ONE_SQL`]), on a connection inside the service's own
-//! transaction, so the claim, the service's business write and the stored answer commit
-//! together or not at all.
+//! of one key ([`CLAIM_ONE_SQL`], a plain insert; [`TAKE_OVER_ONE_SQL`] when the key has a
+//! row) and a completion of the transaction's own row ([`COMPLETE_ONE_SQL`]), on a
+//! connection inside the service's own transaction, so the claim, the service's business
+//! write and the stored answer commit together or not at all.
 //!
 //! A claim that meets another transaction's uncommitted claim of the same scope waits on
 //! it (Postgres makes an insert that conflicts with an uncommitted row wait for that
@@ -11,6 +10,7 @@
 //! the committed answer, or — the other rolled back — claims the key itself.
 //!
 //! [`CLAIM_ONE_SQL`]: super::claim::CLAIM_ONE_SQL
+//! [`TAKE_OVER_ONE_SQL`]: super::claim::TAKE_OVER_ONE_SQL
 //! [`COMPLETE_ONE_SQL`]: super::complete::COMPLETE_ONE_SQL
 
 use std::time::Duration;

@@ -6,6 +6,8 @@
 //! | from | to | statement | run by |
 //! | --- | --- | --- | --- |
 //! | absent, or completed past `expires_at` | in progress | [`CLAIM_SQL`] | gateway |
+//! | absent, or completed past `expires_at` | in progress | [`CLAIM_ONE_SQL`], [`TAKE_OVER_ONE_SQL`] | embedded mode |
+//! | in progress | completed | [`COMPLETE_ONE_SQL`] (its own transaction's row) | embedded mode |
 //! | in progress | completed | [`COMPLETE_SQL`] (fenced by its attempt) | gateway |
 //! | in progress | in progress, lease ended (uncertain 5xx) | [`HOLD_SQL`] (fenced) | gateway |
 //! | in progress | absent | [`RELEASE_SQL`] (fenced by the attempt) | gateway, reconciler |
@@ -25,6 +27,9 @@
 //! - A lease is judged by Postgres's clock alone (`now()`), which wrote every timestamp.
 //!
 //! [`CLAIM_SQL`]: super::claim::CLAIM_SQL
+//! [`CLAIM_ONE_SQL`]: super::claim::CLAIM_ONE_SQL
+//! [`TAKE_OVER_ONE_SQL`]: super::claim::TAKE_OVER_ONE_SQL
+//! [`COMPLETE_ONE_SQL`]: super::complete::COMPLETE_ONE_SQL
 //! [`COMPLETE_SQL`]: super::complete::COMPLETE_SQL
 //! [`HOLD_SQL`]: super::release::HOLD_SQL
 //! [`RELEASE_SQL`]: super::release::RELEASE_SQL
@@ -67,6 +72,15 @@ macro_rules! owned_by_attempt {
         "k.tenant_id = $1 AND k.endpoint = $2 AND k.key = $3 AND k.attempt = $4"
     };
 }
+/// A row taken over by a new attempt keeps nothing of the last one's: its answer, its
+/// hold, the reconciler's probes, its completion.
+macro_rules! nothing_of_the_last_attempt {
+    () => {
+        "response_status = NULL, response_headers = NULL, response_body = NULL, \
+         response_omitted = false, held_since = NULL, first_not_found_at = NULL, \
+         probe_attempts = 0, completed_at = NULL"
+    };
+}
 /// What the engine reads of a live row: a body only up to [`super::bodies::INLINE`]
 /// bytes (larger ones are read on their own, once per scope: [`super::bodies`]). The
 /// row's remaining life is measured when it is read (`clock_timestamp()`), not when the
@@ -100,7 +114,10 @@ macro_rules! epoch_micros {
     };
 }
 
-pub(crate) use {epoch_micros, held, lease_over, live, owned_by_attempt, record_columns};
+pub(crate) use {
+    epoch_micros, held, lease_over, live, nothing_of_the_last_attempt, owned_by_attempt,
+    record_columns,
+};
 
 /// A timestamp read by `epoch_micros!`.
 pub(crate) fn system_time(micros: i64) -> SystemTime {
