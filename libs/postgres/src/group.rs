@@ -501,8 +501,9 @@ impl Driver {
         };
         self.counts.add::<B>(rows.len());
         if let Some(mut conn) = conn {
-            if matches!(ended, Err(Failure::GivenUp)) || B::close_after(rows) {
-                // Given up mid-statement (its state unknown), or grown large: never pooled.
+            if matches!(ended, Err(Failure::GivenUp)) || B::close_after(rows) || unfit(&ended) {
+                // Given up mid-statement (its state unknown), grown large, or unfit for the
+                // next statement (its session lost, the server a standby now): never pooled.
                 conn.close_on_drop();
             } else if matches!(&ended, Ok(outcomes) if outcomes.len() == rows.len())
                 && waits.iter().all(Wait::waiting)
@@ -569,10 +570,21 @@ fn failed<B: Batch>(rows: usize, cause: Arc<sqlx::Error>) -> LedgerError {
 /// Whether Postgres refused the statement itself, rather than losing its session
 /// (SQLSTATE classes 08, connection exception, and 57, operator intervention: a
 /// terminated backend, a shutdown), after which nothing is worth trying row by row.
+/// (A standby's 25006 is a refusal: nothing was written. Its connection is closed, and
+/// the rows tried again one by one go out on fresh connections — to the new primary,
+/// once the node in front routes there.)
 fn refused(error: &dyn sqlx::error::DatabaseError) -> bool {
     !error
         .code()
         .is_some_and(|code| code.starts_with("08") || code.starts_with("57"))
+}
+
+/// Whether a statement's end leaves its connection unfit for the next one ([`crate::unfit`]).
+fn unfit<T>(ended: &Result<T, Failure>) -> bool {
+    match ended {
+        Err(Failure::Refused(error) | Failure::Lost(error)) => crate::unfit(error),
+        _ => false,
+    }
 }
 
 /// The order rows are written in (and so row locks taken): by bytes, the same in every

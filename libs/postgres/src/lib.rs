@@ -11,6 +11,7 @@
 //! - [`connect`] and [`migrate`]: the pool and the embedded migrations of `migrations/`.
 #![forbid(unsafe_code)]
 
+mod conn;
 pub mod group;
 pub mod headers;
 pub mod ledger;
@@ -21,6 +22,7 @@ use std::time::Duration;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::{Connection, PgPool};
 
+pub use conn::unfit;
 pub use ledger::{BodyStats, KeyInfo, Later, OperatorRelease, PgLedger, StuckRow};
 
 /// The schema, embedded from the workspace's `migrations/` at build time.

@@ -5,7 +5,7 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::*;
-use idem_core::ClaimResult;
+use idem_core::{AttemptId, Claim, ClaimResult, Ledger};
 use idem_postgres::{PgLedger, PoolSettings};
 use idem_testkit::{FaultProxy, TestDb};
 
@@ -144,4 +144,129 @@ async fn the_sessions_settings_hold_through_pgbouncer() {
     )
     .await;
     assert!(matches!(claimed, ClaimResult::Claimed));
+}
+
+/// The pool of the tests below: two connections, short budgets.
+fn small_pool(name: &str) -> PoolSettings {
+    PoolSettings {
+        max_connections: 2,
+        acquire_timeout: Duration::from_secs(2),
+        statement_timeout: Duration::from_secs(2),
+        lock_timeout: idem_postgres::LOCK_TIMEOUT,
+        application_name: name.into(),
+    }
+}
+
+/// After a failover, a pooled connection to the old primary — a standby now, or about to
+/// be — answers every write with 25006 `read_only_sql_transaction` for as long as it is
+/// pooled: the node in front (haproxy on Patroni's `/primary`) routes new connections to
+/// the new primary, not the ones already open. Such a connection is closed at its first
+/// 25006, whichever statement met it. (On d9ae635 it went back to the pool: "a
+/// connection that answered 25006 was pooled again", left: 1, right: 0.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connection_to_a_standby_is_closed_at_its_first_refused_write() {
+    let db = TestDb::create().await;
+    db.migrate().await;
+    // Every session read-only, as every session on a standby is.
+    let url = format!("{}?options=-c%20default_transaction_read_only%3Don", db.url);
+    let pool = idem_postgres::connect(&url, &small_pool("standby-test"))
+        .await
+        .unwrap();
+    let ledger = PgLedger::new(pool.clone(), Duration::from_secs(5));
+    let scope = scope("on-a-standby");
+
+    // A statement of its own (a fenced write), then a group statement (a claim).
+    let released = ledger.release(&scope, AttemptId::random()).await;
+    assert!(
+        released
+            .as_ref()
+            .is_err_and(|e| format!("{e:?}").contains("25006")),
+        "{released:?}"
+    );
+    settle(&pool).await;
+    assert_eq!(
+        pool.size(),
+        0,
+        "a connection that answered 25006 was pooled again"
+    );
+    let fp = fingerprint();
+    let claim = Claim {
+        scope: &scope,
+        fingerprint: &fp,
+        attempt: AttemptId::random(),
+        lease: Duration::from_secs(30),
+        ttl: Duration::from_secs(60),
+        trace_context: None,
+    };
+    let claimed = ledger.claim(&claim).await;
+    assert!(
+        claimed
+            .as_ref()
+            .is_err_and(|e| format!("{e:?}").contains("25006")),
+        "{claimed:?}"
+    );
+    settle(&pool).await;
+    assert_eq!(
+        pool.size(),
+        0,
+        "a group statement's connection that answered 25006 was pooled again"
+    );
+}
+
+/// A statement that outlives its budget — its network gone silent, or a `COMMIT` hung on
+/// a synchronous standby that is gone — gives its connection up: closed, its place in
+/// the pool free at once, not handed back to be pinged behind the statement that never
+/// ends. (On d9ae635 the connection went back to sqlx's pool, whose ping waited on it
+/// with no bound: "the timed-out statement still holds its place in the pool", left: 1,
+/// right: 0 — and a pool of one then had nothing to give the next request.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_statement_past_its_budget_gives_its_connection_up() {
+    let db = TestDb::create().await;
+    db.migrate().await;
+    let proxy = FaultProxy::start("127.0.0.1:5432".parse().unwrap()).await;
+    let url = db
+        .url
+        .replacen("127.0.0.1:5432", &proxy.addr.to_string(), 1)
+        + "?sslmode=disable";
+    let pool = idem_postgres::connect(&url, &small_pool("budget-test"))
+        .await
+        .unwrap();
+    let ledger = PgLedger::new(pool.clone(), Duration::from_millis(500));
+    let scope = scope("past-its-budget");
+    assert!(ledger.release(&scope, AttemptId::random()).await.is_ok());
+    // Back in the pool (sqlx gives it back on a task of its own), for the next statement.
+    for _ in 0..40 {
+        if pool.num_idle() == 1 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    assert_eq!((pool.size(), pool.num_idle()), (1, 1));
+
+    proxy.stall_open();
+    let released = ledger.release(&scope, AttemptId::random()).await;
+    assert!(
+        released
+            .as_ref()
+            .is_err_and(|e| format!("{e:?}").contains("Timeout")),
+        "{released:?}"
+    );
+    settle(&pool).await;
+    assert_eq!(
+        pool.size(),
+        0,
+        "the timed-out statement still holds its place in the pool"
+    );
+    // The next statement gets a fresh connection, which the stall does not touch.
+    assert!(ledger.release(&scope, AttemptId::random()).await.is_ok());
+}
+
+/// Lets connections being closed or given back finish (both run on tasks of sqlx's).
+async fn settle(pool: &sqlx::PgPool) {
+    for _ in 0..20 {
+        if pool.size() == 0 {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
 }

@@ -328,7 +328,9 @@ impl PgLedger {
     /// The live row of `scope`, as read (a large body not yet read).
     pub(crate) async fn read(&self, scope: &Scope) -> Result<Option<Found>, LedgerError> {
         let row = self
-            .bounded("get", Self::on(GET_SQL, scope).fetch_optional(&self.pool))
+            .bounded("get", async |c| {
+                Self::on(GET_SQL, scope).fetch_optional(c).await
+            })
             .await?;
         row.as_ref().map(row::record).transpose()
     }

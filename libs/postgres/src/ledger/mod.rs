@@ -38,9 +38,10 @@ use idem_core::{
 };
 use sqlx::postgres::PgArguments;
 use sqlx::query::Query;
-use sqlx::{PgPool, Postgres};
+use sqlx::{PgConnection, PgPool, Postgres};
 use tracing::Instrument;
 
+use crate::conn::OneStatement;
 use crate::group::{Pipe, Written};
 use bodies::Bodies;
 use claim::{Claims, Seen};
@@ -161,15 +162,41 @@ impl PgLedger {
     /// within the op timeout. Not counted among [`Self::calls`] nor traced: it runs on a
     /// clock, not for a request.
     pub async fn writable(&self) -> Result<bool, LedgerError> {
-        let check = sqlx::query_scalar("SELECT NOT pg_is_in_recovery()").fetch_one(&self.pool);
+        let check = async {
+            let mut conn = OneStatement::acquire(&self.pool).await?;
+            let answer = sqlx::query_scalar("SELECT NOT pg_is_in_recovery()")
+                .fetch_one(&mut *conn)
+                .await;
+            if matches!(answer, Ok(false)) {
+                // A standby: this connection would answer every write with 25006.
+                conn.close_after_use();
+            }
+            conn.answered(answer)
+        };
         match tokio::time::timeout(self.op_timeout, check).await {
             Ok(answer) => answer.map_err(LedgerError::new),
             Err(_) => Err(LedgerError::new(crate::Timeout(self.op_timeout))),
         }
     }
 
-    /// Runs one statement within the op timeout, in a client span, counting it.
+    /// Runs one statement on a connection of its own (closed unless the statement
+    /// answered and left it fit: [`OneStatement`]), within the op timeout, in a client
+    /// span, counting it.
     async fn bounded<T>(
+        &self,
+        operation: &'static str,
+        statement: impl AsyncFnOnce(&mut PgConnection) -> Result<T, sqlx::Error>,
+    ) -> Result<T, LedgerError> {
+        self.within(operation, async {
+            let mut conn = OneStatement::acquire(&self.pool).await?;
+            let answer = statement(&mut conn).await;
+            conn.answered(answer)
+        })
+        .await
+    }
+
+    /// Runs `fut` within the op timeout, in a client span, counting it.
+    async fn within<T>(
         &self,
         operation: &'static str,
         fut: impl Future<Output = Result<T, sqlx::Error>>,
@@ -219,7 +246,7 @@ impl PgLedger {
         statement: Query<'_, Postgres, PgArguments>,
     ) -> Result<Fence, LedgerError> {
         let result = self
-            .bounded(operation, statement.execute(&self.pool))
+            .bounded(operation, async |c| statement.execute(c).await)
             .await?;
         Ok(rules::fence(result.rows_affected()))
     }
@@ -256,15 +283,16 @@ impl PgLedger {
         attempt: AttemptId,
         len: usize,
     ) -> Result<Option<Vec<u8>>, LedgerError> {
-        self.bounded("body", async {
-            let mut conn = self.pool.acquire().await?;
+        self.within("body", async {
+            let mut conn = OneStatement::acquire(&self.pool).await?;
             if len > CLOSE_AFTER_BYTES {
-                conn.close_on_drop();
+                conn.close_after_use();
             }
-            Self::on(bodies::BODY_SQL, scope)
+            let answer = Self::on(bodies::BODY_SQL, scope)
                 .bind(attempt.0)
                 .fetch_optional(&mut *conn)
-                .await?
+                .await;
+            conn.answered(answer)?
                 .map(|row| sqlx::Row::try_get::<Vec<u8>, _>(&row, "response_body"))
                 .transpose()
         })

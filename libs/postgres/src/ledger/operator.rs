@@ -162,10 +162,9 @@ impl PgLedger {
     /// How many keys are held: in progress with their lease over, waiting on the
     /// reconciler or a person.
     pub async fn count_held(&self) -> Result<i64, LedgerError> {
-        self.bounded(
-            "count_held",
-            sqlx::query_scalar(COUNT_HELD_SQL).fetch_one(&self.pool),
-        )
+        self.bounded("count_held", async |c| {
+            sqlx::query_scalar(COUNT_HELD_SQL).fetch_one(c).await
+        })
         .await
     }
 
@@ -182,7 +181,9 @@ impl PgLedger {
         scope: &Scope,
     ) -> Result<Option<KeyInfo>, LedgerError> {
         let row = self
-            .bounded(operation, Self::on(sql, scope).fetch_optional(&self.pool))
+            .bounded(operation, async |c| {
+                Self::on(sql, scope).fetch_optional(c).await
+            })
             .await?;
         row.as_ref()
             .map(key_info)
@@ -218,16 +219,16 @@ impl PgLedger {
             }
         };
         let rows = self
-            .bounded(
-                "list_keys",
+            .bounded("list_keys", async |c| {
                 sqlx::query(sql)
                     .bind(tenant)
                     .bind(endpoint)
                     .bind(after.0)
                     .bind(after.1)
                     .bind(limit)
-                    .fetch_all(&self.pool),
-            )
+                    .fetch_all(c)
+                    .await
+            })
             .await?;
         rows.iter()
             .map(key_info)
@@ -238,10 +239,9 @@ impl PgLedger {
     /// Held keys, oldest first, at most `limit`.
     pub async fn list_held(&self, limit: i64) -> Result<Vec<KeyInfo>, LedgerError> {
         let rows = self
-            .bounded(
-                "list_held",
-                sqlx::query(LIST_HELD_SQL).bind(limit).fetch_all(&self.pool),
-            )
+            .bounded("list_held", async |c| {
+                sqlx::query(LIST_HELD_SQL).bind(limit).fetch_all(c).await
+            })
             .await?;
         rows.iter()
             .map(key_info)
@@ -258,13 +258,13 @@ impl PgLedger {
         force: bool,
     ) -> Result<OperatorRelease, LedgerError> {
         let released = self
-            .bounded(
-                "operator_release",
+            .bounded("operator_release", async |c| {
                 Self::on(OPERATOR_RELEASE_SQL, scope)
                     .bind(attempt.0)
                     .bind(force)
-                    .fetch_optional(&self.pool),
-            )
+                    .fetch_optional(c)
+                    .await
+            })
             .await?;
         if let Some(row) = released {
             let held: bool = row.try_get("held").map_err(LedgerError::new)?;
@@ -286,10 +286,9 @@ impl PgLedger {
 
     /// Every endpoint the ledger holds keys under.
     pub async fn stored_endpoints(&self) -> Result<Vec<String>, LedgerError> {
-        self.bounded(
-            "endpoints",
-            sqlx::query_scalar(ENDPOINTS_SQL).fetch_all(&self.pool),
-        )
+        self.bounded("endpoints", async |c| {
+            sqlx::query_scalar(ENDPOINTS_SQL).fetch_all(c).await
+        })
         .await
     }
 }

@@ -23,10 +23,9 @@ impl PgLedger {
     /// another transaction holds are skipped, never waited for.
     pub async fn purge_batch(&self, limit: i64) -> Result<u64, LedgerError> {
         let result = self
-            .bounded(
-                "purge",
-                sqlx::query(PURGE_SQL).bind(limit).execute(&self.pool),
-            )
+            .bounded("purge", async |c| {
+                sqlx::query(PURGE_SQL).bind(limit).execute(c).await
+            })
             .await?;
         Ok(result.rows_affected())
     }

@@ -92,13 +92,13 @@ impl PgLedger {
         processing: Duration,
     ) -> Result<Vec<StuckRow>, LedgerError> {
         let rows = self
-            .bounded(
-                "take",
+            .bounded("take", async |c| {
                 sqlx::query(TAKE_SQL)
                     .bind(limit)
                     .bind(millis(processing))
-                    .fetch_all(&self.pool),
-            )
+                    .fetch_all(c)
+                    .await
+            })
             .await?;
         rows.iter()
             .map(|r| {
