@@ -29,7 +29,7 @@ use axum::extract::State;
 use axum::routing::get;
 use futures_util::StreamExt;
 use idem_config::Config;
-use idem_postgres::{PgLedger, PoolSettings};
+use idem_postgres::{Later, PgLedger, PoolSettings, StuckRow};
 use idem_upstream::HttpClient;
 use secrecy::ExposeSecret;
 
@@ -73,16 +73,11 @@ impl Reconciler {
                 .await
                 .context("taking stuck rows")?;
             let taken = rows.len();
-            let results: Vec<_> = futures_util::stream::iter(rows)
-                .map(|row| self.resolve(row))
+            futures_util::stream::iter(rows)
+                .map(|row| self.resolve_or_retry_soon(row))
                 .buffer_unordered(settings.concurrency as usize)
-                .collect()
+                .collect::<()>()
                 .await;
-            for result in results {
-                if let Err(error) = result {
-                    tracing::error!(%error, "resolving a stuck row failed; it is retried after the processing lease");
-                }
-            }
             if (taken as i64) < batch {
                 break;
             }
@@ -99,6 +94,26 @@ impl Reconciler {
         );
         ActionCounts::add(&self.stats.passes, 1);
         Ok(())
+    }
+
+    /// Resolves one taken row. When that fails (the ledger's connection lost mid-write, as
+    /// in a failover) the row is left for the next pass, not for the rest of the
+    /// processing lease: deferred by one interval, fenced by its attempt — a change
+    /// nothing, should the failed write have committed after all. Only if that fails too
+    /// does the row wait for the lease.
+    async fn resolve_or_retry_soon(&self, row: StuckRow) {
+        let Err(error) = self.resolve(row.clone()).await else {
+            return;
+        };
+        let interval = self.config.reconciler.interval;
+        match self.ledger.defer(&row, interval, Later::Unprobed).await {
+            Ok(_) => {
+                tracing::error!(%error, scope = ?row.scope, retry_in = ?interval, "resolving a stuck row failed; it is tried again")
+            }
+            Err(again) => {
+                tracing::error!(%error, %again, scope = ?row.scope, "resolving a stuck row failed; it is tried again after the processing lease")
+            }
+        }
     }
 
     /// Deletes expired completed rows in small batches, for at most the purge budget.
