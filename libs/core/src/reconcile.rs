@@ -165,8 +165,12 @@ pub fn decide(
 
 /// `backoff × 2^attempts`, at most `max_backoff`.
 fn backoff(rules: &Rules, attempts: u32) -> Duration {
-    rules
-        .backoff
-        .saturating_mul(2u32.saturating_pow(attempts.min(16)))
-        .min(rules.max_backoff)
+    retry_after(rules.backoff, rules.max_backoff, attempts)
+}
+
+/// `base × 2^attempts`, at most `max`: how long a key waits before it is looked at again
+/// after `attempts` looks that told nothing.
+pub fn retry_after(base: Duration, max: Duration, attempts: u32) -> Duration {
+    base.saturating_mul(2u32.saturating_pow(attempts.min(16)))
+        .min(max)
 }

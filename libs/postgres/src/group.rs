@@ -570,9 +570,10 @@ fn failed<B: Batch>(rows: usize, cause: Arc<sqlx::Error>) -> LedgerError {
 /// Whether Postgres refused the statement itself, rather than losing its session
 /// (SQLSTATE classes 08, connection exception, and 57, operator intervention: a
 /// terminated backend, a shutdown), after which nothing is worth trying row by row.
-/// (A standby's 25006 is a refusal: nothing was written. Its connection is closed, and
-/// the rows tried again one by one go out on fresh connections — to the new primary,
-/// once the node in front routes there.)
+/// (A standby's 25006 is a refusal: nothing was written. Its connection is closed; the
+/// rows tried again one by one may meet other pooled connections to the same node, each
+/// closed at its own 25006, until the pool holds only connections the node in front
+/// opened to the new primary.)
 fn refused(error: &dyn sqlx::error::DatabaseError) -> bool {
     !error
         .code()

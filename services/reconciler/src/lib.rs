@@ -29,6 +29,8 @@ use axum::extract::State;
 use axum::routing::get;
 use futures_util::StreamExt;
 use idem_config::Config;
+use idem_core::Fence;
+use idem_core::reconcile::retry_after;
 use idem_postgres::{Later, PgLedger, PoolSettings, StuckRow};
 use idem_upstream::HttpClient;
 use secrecy::ExposeSecret;
@@ -97,18 +99,24 @@ impl Reconciler {
     }
 
     /// Resolves one taken row. When that fails (the ledger's connection lost mid-write, as
-    /// in a failover) the row is left for the next pass, not for the rest of the
-    /// processing lease: deferred by one interval, fenced by its attempt — a change
-    /// nothing, should the failed write have committed after all. Only if that fails too
-    /// does the row wait for the lease.
+    /// in a failover) the row is looked at again after the backoff of an inconclusive
+    /// probe — one interval at first, doubling up to `max_backoff` while failures repeat —
+    /// not after the rest of the processing lease: deferred, fenced by its attempt, so
+    /// nothing changes should the failed write have committed after all. Only if the defer
+    /// fails too does the row wait for the lease.
     async fn resolve_or_retry_soon(&self, row: StuckRow) {
         let Err(error) = self.resolve(row.clone()).await else {
             return;
         };
-        let interval = self.config.reconciler.interval;
-        match self.ledger.defer(&row, interval, Later::Unprobed).await {
-            Ok(_) => {
-                tracing::error!(%error, scope = ?row.scope, retry_in = ?interval, "resolving a stuck row failed; it is tried again")
+        let settings = &self.config.reconciler;
+        let attempts = u32::try_from(row.probe_attempts).unwrap_or(0);
+        let after = retry_after(settings.interval, settings.max_backoff, attempts);
+        match self.ledger.defer(&row, after, Later::Inconclusive).await {
+            Ok(Fence::Held) => {
+                tracing::error!(%error, scope = ?row.scope, retry_in = ?after, "resolving a stuck row failed; it is tried again")
+            }
+            Ok(Fence::Lost) => {
+                tracing::info!(%error, scope = ?row.scope, "resolving a stuck row reported a failure, but the row has moved on (the write took effect)")
             }
             Err(again) => {
                 tracing::error!(%error, %again, scope = ?row.scope, "resolving a stuck row failed; it is tried again after the processing lease")

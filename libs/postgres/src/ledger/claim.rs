@@ -20,6 +20,7 @@ use uuid::Uuid;
 
 use super::row::{self, Found};
 use super::{PgLedger, column, millis, rules};
+use crate::conn::OneStatement;
 use crate::group::Batch;
 
 /// The claim over the rows `i` the argument selects (tenant_id, endpoint, key,
@@ -103,7 +104,8 @@ pub const CLAIM_ONE_SQL: &str = "INSERT INTO idempotency_keys AS k \
 /// Embedded mode's claim of a key [`CLAIM_ONE_SQL`] found a row for, with its parameters:
 /// takes the row over if it is not live (completed and expired), else returns the live
 /// row, read without a lock. Neither — the row went between the two statements (purged)
-/// — and the claim begins again. Sets `lock_timeout` as the insert does.
+/// — and the claim begins again, its short lock wait unchanged. A row taken over sets
+/// `lock_timeout` as the insert does.
 pub const TAKE_OVER_ONE_SQL: &str = concat!(
     "WITH taken AS (\
        UPDATE idempotency_keys AS k SET request_hash = $4, status = 'in_progress', \
@@ -116,7 +118,8 @@ pub const TAKE_OVER_ONE_SQL: &str = concat!(
     " RETURNING k.attempt) \
      SELECT EXISTS (SELECT 1 FROM taken) AS claimed, ",
     rules::record_columns!(),
-    ", set_config('lock_timeout', $9, true) AS lock_timeout_after \
+    ", CASE WHEN EXISTS (SELECT 1 FROM taken) \
+       THEN set_config('lock_timeout', $9, true) END AS lock_timeout_after \
      FROM (SELECT 1) AS one LEFT JOIN idempotency_keys AS k \
        ON k.tenant_id = $1 AND k.endpoint = $2 AND k.key = $3 AND ",
     rules::live!()
@@ -282,12 +285,17 @@ impl Batch for Claims {
         if claimed.is_empty() {
             return;
         }
-        let undo = sqlx::query(UNDO_SQL)
-            .bind(column(&claimed, |r| r.scope.tenant.as_str()))
-            .bind(column(&claimed, |r| r.scope.endpoint.as_str()))
-            .bind(column(&claimed, |r| r.scope.key.as_str()))
-            .bind(column(&claimed, |r| r.attempt))
-            .execute(pool);
+        let undo = async {
+            let mut conn = OneStatement::acquire(pool).await?;
+            let answer = sqlx::query(UNDO_SQL)
+                .bind(column(&claimed, |r| r.scope.tenant.as_str()))
+                .bind(column(&claimed, |r| r.scope.endpoint.as_str()))
+                .bind(column(&claimed, |r| r.scope.key.as_str()))
+                .bind(column(&claimed, |r| r.attempt))
+                .execute(&mut *conn)
+                .await;
+            conn.answered(answer)
+        };
         match tokio::time::timeout(UNDO_TIMEOUT, undo).await {
             Ok(Ok(done)) if done.rows_affected() > 0 => tracing::warn!(
                 released = done.rows_affected(),
