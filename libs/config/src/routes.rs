@@ -14,13 +14,28 @@
 //! | `probe_status` | (the probe's) | `201`: the status stored when the probe finds the operation (what the first client would have seen) |
 //! | `on_unknown` | `"hold"` | or `"release-after:10m"`: what the reconciler does without a probe |
 //! | `max_response_bytes` | `10485760` | larger responses are not stored; retries get 410 |
+//!
+//! `[routes.webhook]` (DESIGN §17.1) makes an idempotent route a provider's webhook
+//! endpoint: the key is the provider's event id, the sender is authenticated by its
+//! signature instead of a token, and the tenant comes from the route. Its `ttl` defaults
+//! to 72 hours, as long as providers go on redelivering.
+//!
+//! | key | default | meaning |
+//! | --- | --- | --- |
+//! | `scheme` | (required) | `"standard-webhooks"`, `"stripe"` or `"github"` |
+//! | `secret_file` | – | one secret a line, any of them verifies (rotation); with `tenant` |
+//! | `secret_dir` | – | a file per tenant, named by the tenant; with `{tenant}` in the path |
+//! | `tenant` | – | the tenant of every delivery (or `{tenant}` in the path) |
+//! | `tolerance` | `5m` | how far a signed timestamp may be from now, either way |
 
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
 use http::Method;
 use idem_core::policy::{OnInProgress, Policy, StatusSet};
 use idem_core::reconcile::OnUnknown;
+use idem_webhooks::{Scheme, Secrets};
 use serde::Deserialize;
 
 use crate::template::PathTemplate;
@@ -54,7 +69,34 @@ pub struct Route {
     /// The status stored for an operation the probe found; `None`: the probe's own.
     pub probe_status: Option<u16>,
     pub on_unknown: OnUnknown,
+    /// A provider's webhook endpoint: see [`Webhook`].
+    pub webhook: Option<Webhook>,
 }
+
+/// `[routes.webhook]`: deliveries authenticated by their signature, keyed by the
+/// provider's event id.
+#[derive(Debug, Clone)]
+pub struct Webhook {
+    pub scheme: Scheme,
+    pub secrets: SecretSource,
+    /// The tenant of every delivery; `None`: the path's `{tenant}` names it.
+    pub tenant: Option<String>,
+    /// How far a signed timestamp may be from now, either way.
+    pub tolerance: Duration,
+}
+
+/// Where a webhook route's secrets are read from (again whenever the file changes).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum SecretSource {
+    /// One file: the route's secrets.
+    File(PathBuf),
+    /// A directory of files, each named by its tenant.
+    Dir(PathBuf),
+}
+
+/// The ttl of a webhook route unless it sets one: providers redeliver for up to three
+/// days.
+pub const WEBHOOK_TTL: Duration = Duration::from_secs(72 * 3600);
 
 /// A status probe: `GET /payments/by-key/{key}`.
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
@@ -186,6 +228,120 @@ pub(crate) struct RawRoute {
     on_unknown: OnUnknown,
     #[serde(default = "default_max_response_bytes")]
     max_response_bytes: usize,
+    webhook: Option<RawWebhook>,
+}
+
+/// `[routes.webhook]` as written.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawWebhook {
+    scheme: String,
+    secret_file: Option<PathBuf>,
+    secret_dir: Option<PathBuf>,
+    tenant: Option<String>,
+    #[serde(default = "default_tolerance", with = "humantime_serde")]
+    tolerance: Duration,
+}
+
+fn default_tolerance() -> Duration {
+    Duration::from_secs(300)
+}
+
+impl RawWebhook {
+    /// Checks the section against its route's `path` (whether it has `{tenant}`), and
+    /// reads the secrets file once: a route that could verify nothing is refused at start.
+    fn validate(
+        self,
+        at: &str,
+        path: &PathTemplate,
+        idempotent: bool,
+    ) -> Result<Webhook, ConfigError> {
+        let at = format!("{at}.webhook");
+        let scheme: Scheme = self
+            .scheme
+            .parse()
+            .map_err(|e: idem_webhooks::UnknownScheme| {
+                ConfigError::new(format!("{at}.scheme"), e.to_string())
+            })?;
+        if !idempotent {
+            return Err(ConfigError::new(
+                at,
+                "a webhook route deduplicates deliveries: set `idempotent = true` on the route",
+            ));
+        }
+        if self.tolerance.is_zero() {
+            return Err(ConfigError::new(
+                format!("{at}.tolerance"),
+                "must be more than zero",
+            ));
+        }
+        let secrets = match (self.tenant.as_deref(), path.has_param("tenant")) {
+            (Some(""), _) => {
+                return Err(ConfigError::new(
+                    format!("{at}.tenant"),
+                    "must not be empty",
+                ));
+            }
+            (Some(_), true) => {
+                return Err(ConfigError::new(
+                    format!("{at}.tenant"),
+                    "the path's {tenant} names the tenant already: set one or the other",
+                ));
+            }
+            (None, false) => {
+                return Err(ConfigError::new(
+                    at,
+                    "names no tenant: set `tenant`, or put {tenant} in the route's path",
+                ));
+            }
+            (Some(_), false) => match (self.secret_file, self.secret_dir) {
+                (Some(file), None) => {
+                    let text = std::fs::read_to_string(&file).map_err(|e| {
+                        ConfigError::new(
+                            format!("{at}.secret_file"),
+                            format!("{}: {e}", file.display()),
+                        )
+                    })?;
+                    Secrets::parse(scheme, &text).map_err(|e| {
+                        ConfigError::new(
+                            format!("{at}.secret_file"),
+                            format!("{}: {e}", file.display()),
+                        )
+                    })?;
+                    SecretSource::File(file)
+                }
+                _ => {
+                    return Err(ConfigError::new(
+                        format!("{at}.secret_file"),
+                        "a route with one tenant reads its secrets from `secret_file` (and not `secret_dir`)",
+                    ));
+                }
+            },
+            (None, true) => match (self.secret_dir, self.secret_file) {
+                (Some(dir), None) => {
+                    std::fs::read_dir(&dir).map_err(|e| {
+                        ConfigError::new(
+                            format!("{at}.secret_dir"),
+                            format!("{}: {e}", dir.display()),
+                        )
+                    })?;
+                    SecretSource::Dir(dir)
+                }
+                _ => {
+                    return Err(ConfigError::new(
+                        format!("{at}.secret_dir"),
+                        "a {tenant} route reads each tenant's secrets from `secret_dir` (a file named by the tenant), not `secret_file`",
+                    ));
+                }
+            },
+        };
+        Ok(Webhook {
+            scheme,
+            secrets,
+            tenant: self.tenant,
+            tolerance: self.tolerance,
+        })
+    }
 }
 
 fn default_timeout() -> Duration {
@@ -244,9 +400,18 @@ impl RawRoute {
             }
             _ => {}
         }
+        let webhook = self
+            .webhook
+            .map(|w| w.validate(at, &self.path, self.idempotent))
+            .transpose()?;
         let base = defaults.policy();
+        let default_ttl = if webhook.is_some() {
+            WEBHOOK_TTL
+        } else {
+            base.ttl
+        };
         let policy = Policy {
-            ttl: self.ttl.unwrap_or(base.ttl),
+            ttl: self.ttl.unwrap_or(default_ttl),
             lease: self.lease.unwrap_or(base.lease),
             on_in_progress: self.on_in_progress.unwrap_or(base.on_in_progress),
             wait_timeout: self.wait_timeout.unwrap_or(base.wait_timeout),
@@ -281,6 +446,7 @@ impl RawRoute {
             probe: self.probe,
             probe_status: self.probe_status,
             on_unknown: self.on_unknown,
+            webhook,
         })
     }
 }

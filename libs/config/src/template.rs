@@ -45,6 +45,15 @@ pub struct PathTemplate {
     segments: Vec<Segment>,
 }
 
+/// The name of the `{name}` at each parameter segment, in order.
+fn param_names(source: &str) -> impl Iterator<Item = (usize, &str)> {
+    source
+        .trim_start_matches('/')
+        .split('/')
+        .enumerate()
+        .filter_map(|(i, s)| Some((i, s.strip_prefix('{')?.strip_suffix('}')?)))
+}
+
 impl PathTemplate {
     pub fn parse(template: &str) -> Result<Self, TemplateError> {
         let rest = template
@@ -87,6 +96,20 @@ impl PathTemplate {
             }
         }
         parts.next().is_none()
+    }
+
+    /// Whether the template has a `{name}`.
+    pub fn has_param(&self, name: &str) -> bool {
+        param_names(&self.source).any(|(_, n)| n == name)
+    }
+
+    /// What a concrete `path` the template matches gives its `{name}`.
+    pub fn param<'p>(&self, path: &'p str, name: &str) -> Option<&'p str> {
+        if !self.matches(path) {
+            return None;
+        }
+        let (at, _) = param_names(&self.source).find(|(_, n)| *n == name)?;
+        path.strip_prefix('/')?.split('/').nth(at)
     }
 
     /// Whether two templates match exactly the same paths.
@@ -135,6 +158,16 @@ mod tests {
 
     fn t(s: &str) -> PathTemplate {
         PathTemplate::parse(s).unwrap()
+    }
+
+    #[test]
+    fn a_parameters_value_is_read_from_a_matching_path() {
+        let t = t("/webhooks/{tenant}/billing");
+        assert!(t.has_param("tenant"));
+        assert!(!t.has_param("id"));
+        assert_eq!(t.param("/webhooks/acme/billing", "tenant"), Some("acme"));
+        assert_eq!(t.param("/webhooks/acme/other", "tenant"), None);
+        assert_eq!(t.param("/webhooks/acme/billing", "id"), None);
     }
 
     #[test]

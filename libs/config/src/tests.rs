@@ -442,3 +442,125 @@ fn the_admin_api_is_off_by_default_and_needs_a_token_file_of_a_long_token() {
         "a missing file"
     );
 }
+
+/// A webhook route as DESIGN §17.1 writes it, over a secrets file of the test's own.
+fn webhook_route(path: &str, section: &str) -> String {
+    format!(
+        "[[routes]]\nmethod = \"POST\"\npath = \"{path}\"\nupstream = \"http://127.0.0.1:9090\"\n\
+         idempotent = true\n[routes.webhook]\n{section}"
+    )
+}
+
+fn secret_file(name: &str, text: &str) -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!("idem-config-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join(name);
+    std::fs::write(&path, text).unwrap();
+    path
+}
+
+#[test]
+fn a_webhook_route_reads_its_secrets_names_its_tenant_and_keeps_keys_72h() {
+    let file = secret_file("billing.secret", "whsec_c2VjcmV0\n");
+    let config = with(&webhook_route(
+        "/webhooks/billing",
+        &format!(
+            "scheme = \"standard-webhooks\"\nsecret_file = {:?}\ntenant = \"acme\"",
+            file.display().to_string()
+        ),
+    ))
+    .unwrap();
+    let route = &config.routes.routes()[0];
+    let webhook = route.webhook.as_ref().unwrap();
+    assert_eq!(webhook.scheme, idem_webhooks::Scheme::StandardWebhooks);
+    assert_eq!(webhook.tenant.as_deref(), Some("acme"));
+    assert_eq!(webhook.tolerance, Duration::from_secs(300));
+    assert_eq!(webhook.secrets, crate::SecretSource::File(file.clone()));
+    assert_eq!(route.policy.ttl, crate::WEBHOOK_TTL);
+    // A route's own ttl wins; a route without [routes.webhook] keeps the default.
+    let short = webhook_route(
+        "/webhooks/billing",
+        &format!(
+            "scheme = \"github\"\nsecret_file = {:?}\ntenant = \"acme\"",
+            file.display().to_string()
+        ),
+    )
+    .replace("idempotent = true", "idempotent = true\nttl = \"1h\"");
+    assert_eq!(
+        with(&short).unwrap().routes.routes()[0].policy.ttl,
+        Duration::from_secs(3600)
+    );
+
+    let dir = file.parent().unwrap().display().to_string();
+    let per_tenant = with(&webhook_route(
+        "/webhooks/{tenant}/billing",
+        &format!("scheme = \"stripe\"\nsecret_dir = {dir:?}\ntolerance = \"1m\""),
+    ))
+    .unwrap();
+    let webhook = per_tenant.routes.routes()[0].webhook.clone().unwrap();
+    assert_eq!(webhook.tenant, None);
+    assert_eq!(webhook.tolerance, Duration::from_secs(60));
+    assert_eq!(webhook.secrets, crate::SecretSource::Dir(dir.into()));
+}
+
+#[test]
+fn a_webhook_route_that_could_verify_nothing_or_names_no_tenant_is_refused() {
+    let good = secret_file("good.secret", "whsec_c2VjcmV0\n");
+    let good = good.display().to_string();
+    let empty = secret_file("empty.secret", "\n").display().to_string();
+    let dir = std::env::temp_dir().display().to_string();
+    let cases = [
+        (
+            "/w",
+            format!("scheme = \"svix\"\nsecret_file = {good:?}\ntenant = \"acme\""),
+            "routes[0].webhook.scheme",
+        ),
+        (
+            "/w",
+            format!("scheme = \"stripe\"\nsecret_file = {good:?}"),
+            "routes[0].webhook",
+        ),
+        (
+            "/w/{tenant}",
+            format!("scheme = \"stripe\"\nsecret_dir = {dir:?}\ntenant = \"acme\""),
+            "routes[0].webhook.tenant",
+        ),
+        (
+            "/w",
+            "scheme = \"stripe\"\nsecret_file = \"/nonexistent/secret\"\ntenant = \"acme\"".into(),
+            "routes[0].webhook.secret_file",
+        ),
+        (
+            "/w",
+            format!("scheme = \"github\"\nsecret_file = {empty:?}\ntenant = \"acme\""),
+            "routes[0].webhook.secret_file",
+        ),
+        (
+            "/w",
+            format!("scheme = \"github\"\nsecret_dir = {dir:?}\ntenant = \"acme\""),
+            "routes[0].webhook.secret_file",
+        ),
+        (
+            "/w/{tenant}",
+            format!("scheme = \"github\"\nsecret_file = {good:?}"),
+            "routes[0].webhook.secret_dir",
+        ),
+        (
+            "/w",
+            format!(
+                "scheme = \"github\"\nsecret_file = {good:?}\ntenant = \"acme\"\ntolerance = \"0s\""
+            ),
+            "routes[0].webhook.tolerance",
+        ),
+    ];
+    for (path, section, key) in cases {
+        assert_eq!(error_key(&webhook_route(path, &section)), key, "{section}");
+    }
+    // A webhook route deduplicates: it must be idempotent.
+    let plain = webhook_route(
+        "/w",
+        &format!("scheme = \"github\"\nsecret_file = {good:?}\ntenant = \"acme\""),
+    )
+    .replace("idempotent = true", "idempotent = false");
+    assert_eq!(error_key(&plain), "routes[0].webhook");
+}

@@ -131,6 +131,15 @@ impl Route {
         self
     }
 
+    /// With a `[routes.webhook]` section of these keys (DESIGN §17.1).
+    pub fn webhook(self, keys: &[(&str, &str)]) -> Self {
+        let table: Table = keys
+            .iter()
+            .map(|(k, v)| ((*k).to_owned(), Value::from(*v)))
+            .collect();
+        self.set("webhook", Value::Table(table))
+    }
+
     /// With the payments service's status probe.
     pub fn probed(self) -> Self {
         self.set("probe", PROBE)

@@ -134,6 +134,7 @@ impl Application {
             tasks: TaskTracker::new(),
             fenced: Default::default(),
             unrecorded: Default::default(),
+            webhook_secrets: Default::default(),
             key_refresh,
             postgres_ready,
             readiness,

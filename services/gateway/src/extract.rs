@@ -16,7 +16,8 @@ use tracing::Span;
 use crate::problem::Problem;
 use crate::state::AppState;
 
-/// The tenant the bearer token proves (401 without one).
+/// The tenant the bearer token proves (401 without one); on a webhook route, the
+/// route's tenant (its signature is checked once the body is read: [`crate::webhook`]).
 #[derive(Debug, Clone)]
 pub struct Tenant(pub String);
 
@@ -24,6 +25,13 @@ impl FromRequestParts<Arc<AppState>> for Tenant {
     type Rejection = Problem;
 
     async fn from_request_parts(parts: &mut Parts, app: &Arc<AppState>) -> Result<Self, Problem> {
+        if let Some(route) = app.routes.find(&parts.method, parts.uri.path())
+            && let Some(webhook) = &route.webhook
+        {
+            let tenant = crate::webhook::tenant(route, webhook, parts.uri.path())?;
+            Span::current().record("tenant.id", tenant.as_str());
+            return Ok(Self(tenant));
+        }
         let token = bearer(&parts.headers).map_err(Problem::Unauthorized)?;
         let tenant = app
             .auth
@@ -60,6 +68,8 @@ impl FromRequestParts<Arc<AppState>> for Matched {
 
 /// The request's idempotency key: `None` on a route that is not idempotent, or on one
 /// whose keys are optional (`key_required = false`) when none was sent; 400 otherwise.
+/// `None` on a webhook route too, whose key is the verified delivery's
+/// ([`crate::webhook::verify`]): an `Idempotency-Key` sent there is ignored.
 #[derive(Debug, Clone)]
 pub struct Key(pub Option<IdempotencyKey>);
 
@@ -68,7 +78,7 @@ impl FromRequestParts<Arc<AppState>> for Key {
 
     async fn from_request_parts(parts: &mut Parts, app: &Arc<AppState>) -> Result<Self, Problem> {
         let Matched(route) = Matched::from_request_parts(parts, app).await?;
-        if !route.idempotent {
+        if !route.idempotent || route.webhook.is_some() {
             return Ok(Self(None));
         }
         match idempotency_key(&parts.headers).map_err(Problem::KeyInvalid)? {

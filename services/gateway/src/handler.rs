@@ -78,6 +78,17 @@ async fn serve(
         app.body_read_timeout,
     )
     .await?;
+    // A webhook's key is its verified delivery's: nothing is claimed for one that does
+    // not verify.
+    let key = match &route.webhook {
+        Some(webhook) => {
+            let key =
+                crate::webhook::verify(&app.webhook_secrets, webhook, &tenant, &parts, &body)?;
+            Span::current().record("idempotency.key", key.as_str());
+            Some(key)
+        }
+        None => key,
+    };
     // Continued only if it is a valid W3C value; anything else starts a new trace.
     let client_trace = propagation::client_traceparent(&parts.headers);
     let Some(key) = key else {
@@ -95,10 +106,24 @@ async fn serve(
         };
         return Ok((axum::Extension(observe::OutcomeLabel("proxied")), response).into_response());
     };
-    let fingerprint = app
-        .fingerprints
-        .of_request(&parts, &body, slot.clone())
-        .await?;
+    let fingerprint = if route.webhook.is_some() {
+        // The raw body: a provider's redeliveries carry the same bytes.
+        let target = parts.uri.path_and_query().map_or("/", |pq| pq.as_str());
+        app.fingerprints
+            .compute(
+                parts.method.as_str(),
+                target,
+                idem_core::BodyKind::Raw,
+                &body,
+                slot.clone(),
+            )
+            .await
+            .map_err(|_| Problem::Internal)?
+    } else {
+        app.fingerprints
+            .of_request(&parts, &body, slot.clone())
+            .await?
+    };
     let wait = policy.wait_for(h::preferred_wait(&parts.headers));
     let scope = Scope::new(tenant.clone(), route.endpoint.clone(), key.clone());
     let span = Span::current();

@@ -45,6 +45,7 @@ pub mod respond;
 pub mod server;
 pub mod state;
 pub mod tenants;
+pub mod webhook;
 
 pub use idem_http::problem;
 

@@ -259,6 +259,15 @@ async fn run(command: Command) -> anyhow::Result<()> {
             for warning in auth.warnings() {
                 eprintln!("warning: {warning}");
             }
+            for route in config.routes.routes() {
+                if route.webhook.is_some() && route.policy.ttl < idem_config::WEBHOOK_TTL {
+                    eprintln!(
+                        "warning: {}: a webhook route's ttl of {} is shorter than the 72h providers go on redelivering: a redelivery after it executes again",
+                        route.endpoint,
+                        humantime::format_duration(route.policy.ttl)
+                    );
+                }
+            }
             config.admin.token()?;
             // Against the ledger when it can be reached: a route must not rename an
             // endpoint keys are stored under.

@@ -93,6 +93,10 @@ pub(crate) fn describe() {
         "Ledger statements that failed or timed out."
     );
     describe_counter!(
+        "idemgate_webhooks_rejected_total",
+        "Webhook deliveries refused 401 by reason (missing, invalid, stale); nothing was claimed."
+    );
+    describe_counter!(
         "idemgate_records_restored_total",
         "Completions whose row had vanished and were written back (a failover lost acknowledged commits)."
     );
