@@ -68,7 +68,27 @@ class ChartTest(unittest.TestCase):
                                "audience": "payments-api"}},
              "tenants": {"config": {"tenants": {"default": {"rate": "500/s", "max_concurrent_requests": 256},
                                                 "acme": {"ttl": "72h", "lease": "1m"}}}},
-             "admin": {"admin": {"enabled": True, "tokenSecret": "idemgate-admin"}}}
+             "admin": {"admin": {"enabled": True, "tokenSecret": "idemgate-admin"}},
+             "webhooks": {"webhooks": {"secret": "idemgate-webhooks"},
+                          "config": {"routes": [{"method": "POST", "path": "/webhooks/stripe",
+                                                 "upstream": "http://billing.default.svc.cluster.local:9090",
+                                                 "idempotent": True,
+                                                 "webhook": {"scheme": "stripe", "tenant": "acme",
+                                                             "secret_file": "/etc/idemgate/webhooks/stripe"}}]}}}
+
+    def test_webhook_routes_are_rendered_with_their_secrets_mounted(self):
+        docs = render(self.cases["webhooks"])
+        config = tomllib.loads(by_kind(docs, "ConfigMap", "idemgate")[0]["data"]["idemgate.toml"])
+        self.assertEqual(config["routes"][0]["webhook"],
+                         {"scheme": "stripe", "tenant": "acme", "secret_file": "/etc/idemgate/webhooks/stripe"})
+        pod = by_kind(docs, "Deployment", "idemgate")[0]["spec"]["template"]["spec"]
+        mounts = {m["name"]: m for m in pod["containers"][0]["volumeMounts"]}
+        self.assertEqual(mounts["webhook-secrets"]["mountPath"], "/etc/idemgate/webhooks")
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        self.assertEqual(volumes["webhook-secrets"]["secret"]["secretName"], "idemgate-webhooks")
+        # Without webhooks.secret nothing is mounted.
+        pod = by_kind(render({}), "Deployment", "idemgate")[0]["spec"]["template"]["spec"]
+        self.assertNotIn("webhook-secrets", {v["name"] for v in pod["volumes"]})
 
     def test_lint_is_clean(self):
         for name, values in self.cases.items():
@@ -279,7 +299,10 @@ class ChartTest(unittest.TestCase):
                 }
                 for var, spec in env_map(gateway).items():
                     env[var] = stand_ins.get(var, spec.get("value", ""))
-                mounted = config.replace("/etc/idemgate/keys/", f"{tmp}/").replace("/etc/idemgate/admin/", f"{tmp}/")
+                mounted = (config.replace("/etc/idemgate/keys/", f"{tmp}/").replace("/etc/idemgate/admin/", f"{tmp}/")
+                           .replace("/etc/idemgate/webhooks/", f"{tmp}/"))
+                if "[routes.webhook]" in config:
+                    (Path(tmp) / "stripe").write_text("whsec_a-stripe-secret\n")
                 if "[admin]" in config:
                     (Path(tmp) / "token").write_text("an-admin-token-of-enough-length\n")
                 if "jwks_file" in config:

@@ -85,6 +85,33 @@ pub struct Webhook {
     pub tolerance: Duration,
 }
 
+impl Webhook {
+    /// Whether the route's secrets can be read and hold a secret of its scheme (a
+    /// directory: whether it can be listed; its files are read per tenant). `at` names the
+    /// route in the error. The gateway checks this at start, and `check-config` with it;
+    /// the other processes that read the config (the reconciler, migrations) need no secrets.
+    pub fn check_secrets(&self, at: &str) -> Result<(), ConfigError> {
+        match &self.secrets {
+            SecretSource::File(file) => {
+                let key = format!("{at}.webhook.secret_file");
+                let refused =
+                    |e: String| ConfigError::new(key.clone(), format!("{}: {e}", file.display()));
+                let text = std::fs::read_to_string(file).map_err(|e| refused(e.to_string()))?;
+                Secrets::parse(self.scheme, &text).map_err(|e| refused(e.to_string()))?;
+            }
+            SecretSource::Dir(dir) => {
+                std::fs::read_dir(dir).map_err(|e| {
+                    ConfigError::new(
+                        format!("{at}.webhook.secret_dir"),
+                        format!("{}: {e}", dir.display()),
+                    )
+                })?;
+            }
+        }
+        Ok(())
+    }
+}
+
 /// Where a webhook route's secrets are read from (again whenever the file changes).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum SecretSource {
@@ -174,6 +201,16 @@ impl RouteTable {
         })
     }
 
+    /// Every webhook route's secrets, readable and of its scheme ([`Webhook::check_secrets`]).
+    pub fn check_webhook_secrets(&self) -> Result<(), ConfigError> {
+        for (n, route) in self.routes.iter().enumerate() {
+            if let Some(webhook) = &route.webhook {
+                webhook.check_secrets(&format!("routes[{n}]"))?;
+            }
+        }
+        Ok(())
+    }
+
     /// Every stored endpoint a route renames, as a refusal naming both spellings.
     pub fn check_renames<'a>(
         &self,
@@ -248,8 +285,8 @@ fn default_tolerance() -> Duration {
 }
 
 impl RawWebhook {
-    /// Checks the section against its route's `path` (whether it has `{tenant}`), and
-    /// reads the secrets file once: a route that could verify nothing is refused at start.
+    /// Checks the section against its route's `path` (whether it has `{tenant}`). Its
+    /// secrets are read by [`Webhook::check_secrets`].
     fn validate(
         self,
         at: &str,
@@ -295,21 +332,7 @@ impl RawWebhook {
                 ));
             }
             (Some(_), false) => match (self.secret_file, self.secret_dir) {
-                (Some(file), None) => {
-                    let text = std::fs::read_to_string(&file).map_err(|e| {
-                        ConfigError::new(
-                            format!("{at}.secret_file"),
-                            format!("{}: {e}", file.display()),
-                        )
-                    })?;
-                    Secrets::parse(scheme, &text).map_err(|e| {
-                        ConfigError::new(
-                            format!("{at}.secret_file"),
-                            format!("{}: {e}", file.display()),
-                        )
-                    })?;
-                    SecretSource::File(file)
-                }
+                (Some(file), None) => SecretSource::File(file),
                 _ => {
                     return Err(ConfigError::new(
                         format!("{at}.secret_file"),
@@ -318,15 +341,7 @@ impl RawWebhook {
                 }
             },
             (None, true) => match (self.secret_dir, self.secret_file) {
-                (Some(dir), None) => {
-                    std::fs::read_dir(&dir).map_err(|e| {
-                        ConfigError::new(
-                            format!("{at}.secret_dir"),
-                            format!("{}: {e}", dir.display()),
-                        )
-                    })?;
-                    SecretSource::Dir(dir)
-                }
+                (Some(dir), None) => SecretSource::Dir(dir),
                 _ => {
                     return Err(ConfigError::new(
                         format!("{at}.secret_dir"),

@@ -58,6 +58,8 @@ impl Application {
         for warning in auth.warnings() {
             tracing::warn!("{warning}");
         }
+        // A webhook route whose secrets cannot be read would refuse every delivery.
+        config.routes.check_webhook_secrets()?;
         let key_refresh = auth.start().map(tokio_util::task::AbortOnDropHandle::new);
         idem_telemetry::prometheus(); // record from the first request on
         metrics::describe();

@@ -259,6 +259,7 @@ async fn run(command: Command) -> anyhow::Result<()> {
             for warning in auth.warnings() {
                 eprintln!("warning: {warning}");
             }
+            config.routes.check_webhook_secrets()?;
             for route in config.routes.routes() {
                 if route.webhook.is_some() && route.policy.ttl < idem_config::WEBHOOK_TTL {
                     eprintln!(

@@ -225,3 +225,40 @@ fn check_config_refuses_plain_http_to_a_provider_and_warns_without_an_audience()
     assert!(ok, "{stderr}");
     assert!(!stderr.contains("warning"), "{stderr}");
 }
+
+/// `check-config` reads a webhook route's secrets (a file that cannot be read verifies
+/// nothing) and warns when its ttl is shorter than the 72 h providers redeliver for.
+#[test]
+fn check_config_reads_webhook_secrets_and_warns_of_a_short_ttl() {
+    let dir =
+        std::env::temp_dir().join(format!("idemgate-cli-wh-{}", uuid::Uuid::new_v4().simple()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let secret = dir.join("billing.secret");
+    std::fs::write(&secret, "whsec_c2VjcmV0\n").unwrap();
+    let route = |file: &str, ttl: &str| {
+        good().route(
+            Route::idempotent("POST", "/webhooks/billing", "http://127.0.0.1:9090")
+                .set("ttl", ttl)
+                .webhook(&[
+                    ("scheme", "standard-webhooks"),
+                    ("secret_file", file),
+                    ("tenant", "acme"),
+                ]),
+        )
+    };
+    let file = secret.display().to_string();
+    let (ok, _, stderr) = idemgate(&["check-config"], &route(&file, "72h").toml());
+    assert!(ok, "{stderr}");
+    assert!(!stderr.contains("warning"), "{stderr}");
+    let (ok, _, stderr) = idemgate(&["check-config"], &route(&file, "1h").toml());
+    assert!(ok, "{stderr}");
+    assert!(
+        stderr.contains("warning: POST /webhooks/billing") && stderr.contains("72h"),
+        "{stderr}"
+    );
+    let missing = dir.join("nope").display().to_string();
+    let (ok, _, stderr) = idemgate(&["check-config"], &route(&missing, "72h").toml());
+    assert!(!ok);
+    assert!(stderr.contains("routes[1].webhook.secret_file"), "{stderr}");
+    std::fs::remove_dir_all(&dir).ok();
+}
