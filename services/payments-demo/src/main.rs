@@ -5,6 +5,7 @@
 //!
 //! - `POST /payments` `{"orderId": "…", "amountUah": 100}` → 201, one `demo_payments` row
 //! - `POST /refunds` `{"paymentId": "…", "amountUah": 50}` → 201, one `demo_refunds` row
+//! - `POST /webhooks/payments`: `POST /payments`, for a webhook route in front of it
 //! - `GET /payments/by-key/{key}`, `GET /refunds/by-key/{key}` → 200 with the same body, or 404;
 //!   with `Idempotency-Attempt`, only the operation that attempt made (each row keeps the
 //!   `Idempotency-Attempt` it arrived with, in `idempotency_attempt`)
@@ -182,6 +183,11 @@ fn upstream_app(pool: PgPool) -> Router {
     Router::new()
         .route("/payments", post(|s, h, b| create(PAYMENT, s, h, b)))
         .route("/refunds", post(|s, h, b| create(REFUND, s, h, b)))
+        // The same payment, delivered as a provider's webhook (docs/webhooks.md).
+        .route(
+            "/webhooks/payments",
+            post(|s, h, b| create(PAYMENT, s, h, b)),
+        )
         .route(
             "/payments/by-key/{key}",
             get(|s, h, k| by_key(PAYMENT, s, h, k)),
