@@ -43,6 +43,14 @@ async fn settled(pg: &PgCounter) -> Wire {
     }
 }
 
+/// The first three words of each statement sent.
+fn heads(cost: &Wire) -> Vec<String> {
+    cost.statements
+        .iter()
+        .map(|sql| sql.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
+        .collect()
+}
+
 /// A new key: one statement per round trip — the transaction begun with its lock wait,
 /// the claim, the handler's insert, the completion, the commit — and the pool's check of
 /// the connection when it comes back (sqlx sends a `Sync` on every release). Six, where
@@ -61,11 +69,7 @@ async fn a_new_key_costs_five_round_trips_and_the_pools_check() {
         .await;
     assert_eq!(paid.status, StatusCode::CREATED, "{:?}", paid.body);
     let cost = settled(&pg).await.since(&before);
-    let heads: Vec<String> = cost
-        .statements
-        .iter()
-        .map(|sql| sql.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
-        .collect();
+    let heads = heads(&cost);
     assert_eq!(
         heads,
         [
@@ -107,11 +111,7 @@ async fn a_replay_from_postgres_costs_the_insert_and_the_read() {
     let second = replay(&keys[1]).await;
     assert!(second.replayed(), "{:?}", second.body);
     let cost = settled(&pg).await.since(&before);
-    let heads: Vec<String> = cost
-        .statements
-        .iter()
-        .map(|sql| sql.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
-        .collect();
+    let heads = heads(&cost);
     assert_eq!(
         heads,
         [

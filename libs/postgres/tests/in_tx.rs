@@ -11,12 +11,31 @@ use std::time::Duration;
 use idem_postgres::ledger::bodies::Bodies;
 
 use common::*;
-use idem_core::{AttemptId, BodyKind, Claim, ClaimResult, Fence, Fingerprint};
+use idem_core::{AttemptId, BodyKind, Claim, ClaimResult, Fence, Fingerprint, Scope};
 use idem_postgres::ledger::claim::{CLAIM_ONE_SQL, TAKE_OVER_ONE_SQL};
 use idem_postgres::ledger::complete::COMPLETE_ONE_SQL;
 use idem_postgres::ledger::in_tx;
 use idem_testkit::TestDb;
 use sqlx::{Connection, PgConnection};
+
+/// A claim of `scope` by `attempt` with a 30 s lease and a minute's ttl.
+fn claim_of<'a>(scope: &'a Scope, fingerprint: &'a Fingerprint, attempt: AttemptId) -> Claim<'a> {
+    Claim {
+        scope,
+        fingerprint,
+        attempt,
+        lease: Duration::from_secs(30),
+        ttl: Duration::from_secs(60),
+        trace_context: None,
+    }
+}
+
+/// `claim` on the transaction `tx`, as embedded mode sends it.
+async fn claim_in(tx: &mut sqlx::PgConnection, claim: &Claim<'_>) -> ClaimResult {
+    in_tx::claim(tx, claim, Duration::from_secs(5), &Bodies::new(1 << 20))
+        .await
+        .unwrap()
+}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_transactions_claim_and_completion_are_planned_once_per_connection_by_the_keys_index() {
@@ -45,22 +64,8 @@ async fn a_transactions_claim_and_completion_are_planned_once_per_connection_by_
         let scope = scope(&format!("new-{n}"));
         let attempt = AttemptId::random();
         let mut tx = conn.begin().await.unwrap();
-        let claim = Claim {
-            scope: &scope,
-            fingerprint: &fingerprint,
-            attempt,
-            lease: Duration::from_secs(30),
-            ttl: Duration::from_secs(60),
-            trace_context: None,
-        };
-        let claimed = in_tx::claim(
-            &mut tx,
-            &claim,
-            Duration::from_secs(5),
-            &Bodies::new(1 << 20),
-        )
-        .await
-        .unwrap();
+        let claim = claim_of(&scope, &fingerprint, attempt);
+        let claimed = claim_in(&mut tx, &claim).await;
         assert!(matches!(claimed, ClaimResult::Claimed), "{claimed:?}");
         let fence = in_tx::complete(
             &mut tx,
@@ -81,22 +86,8 @@ async fn a_transactions_claim_and_completion_are_planned_once_per_connection_by_
     for n in 1..=requests {
         let scope = scope(&format!("old-{n}"));
         let mut tx = conn.begin().await.unwrap();
-        let claim = Claim {
-            scope: &scope,
-            fingerprint: &fingerprint,
-            attempt: AttemptId::random(),
-            lease: Duration::from_secs(30),
-            ttl: Duration::from_secs(60),
-            trace_context: None,
-        };
-        let found = in_tx::claim(
-            &mut tx,
-            &claim,
-            Duration::from_secs(5),
-            &Bodies::new(1 << 20),
-        )
-        .await
-        .unwrap();
+        let claim = claim_of(&scope, &fingerprint, AttemptId::random());
+        let found = claim_in(&mut tx, &claim).await;
         assert!(matches!(found, ClaimResult::Existing(_)), "{found:?}");
         tx.rollback().await.unwrap();
     }

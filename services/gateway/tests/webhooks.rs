@@ -85,6 +85,27 @@ async fn gateway(
     GatewayProcess::start(&config.toml()).await
 }
 
+/// A gateway with a Standard Webhooks route `/webhooks/billing` for the tenant acme, its
+/// secrets file holding [`STANDARD_SECRET`] (returned, for rotation), and `extra` keys.
+async fn billing(
+    db: &TestDb,
+    upstream: &TestUpstream,
+    extra: &[(&str, &str)],
+) -> (GatewayProcess, PathBuf) {
+    let file = secrets_dir(&[("billing", STANDARD_SECRET)]).join("billing");
+    let path = file.display().to_string();
+    let mut webhook = vec![
+        ("scheme", "standard-webhooks"),
+        ("secret_file", path.as_str()),
+        ("tenant", "acme"),
+    ];
+    webhook.extend_from_slice(extra);
+    (
+        gateway(db, upstream, "/webhooks/billing", &webhook).await,
+        file,
+    )
+}
+
 async fn deliver(http: &Http, url: &str, headers: &[(String, String)], body: &str) -> Answer {
     let mut call = http.post(url).body(body.to_owned());
     for (name, value) in headers {
@@ -112,19 +133,7 @@ async fn a_delivery_executes_once_and_every_resigned_redelivery_replays_it() {
     let db = TestDb::create().await;
     db.migrate().await;
     let upstream = TestUpstream::start().await;
-    let dir = secrets_dir(&[("billing", STANDARD_SECRET)]);
-    let file = dir.join("billing").display().to_string();
-    let gw = gateway(
-        &db,
-        &upstream,
-        "/webhooks/billing",
-        &[
-            ("scheme", "standard-webhooks"),
-            ("secret_file", &file),
-            ("tenant", "acme"),
-        ],
-    )
-    .await;
+    let (gw, _) = billing(&db, &upstream, &[]).await;
     let http = Http::default();
     let id = format!("msg_{}", uuid::Uuid::new_v4().simple());
     let body = r#"{"type":"invoice.paid","amount":100}"#;
@@ -189,20 +198,7 @@ async fn a_wrong_missing_or_stale_signature_is_401_and_claims_nothing() {
     let db = TestDb::create().await;
     db.migrate().await;
     let upstream = TestUpstream::start().await;
-    let dir = secrets_dir(&[("billing", STANDARD_SECRET)]);
-    let file = dir.join("billing").display().to_string();
-    let gw = gateway(
-        &db,
-        &upstream,
-        "/webhooks/billing",
-        &[
-            ("scheme", "standard-webhooks"),
-            ("secret_file", &file),
-            ("tenant", "acme"),
-            ("tolerance", "5m"),
-        ],
-    )
-    .await;
+    let (gw, _) = billing(&db, &upstream, &[("tolerance", "5m")]).await;
     let http = Http::default();
     let url = gw.url("/webhooks/billing");
     let body = r#"{"type":"invoice.paid"}"#;
@@ -340,19 +336,7 @@ async fn a_rotated_secret_verifies_old_and_new_senders_without_a_restart() {
     let db = TestDb::create().await;
     db.migrate().await;
     let upstream = TestUpstream::start().await;
-    let dir = secrets_dir(&[("billing", STANDARD_SECRET)]);
-    let file = dir.join("billing");
-    let gw = gateway(
-        &db,
-        &upstream,
-        "/webhooks/billing",
-        &[
-            ("scheme", "standard-webhooks"),
-            ("secret_file", &file.display().to_string()),
-            ("tenant", "acme"),
-        ],
-    )
-    .await;
+    let (gw, file) = billing(&db, &upstream, &[]).await;
     let http = Http::default();
     let url = gw.url("/webhooks/billing");
     let body = r#"{"type":"invoice.paid"}"#;
@@ -472,18 +456,7 @@ async fn a_redelivery_while_the_first_runs_is_409_with_retry_after() {
     let db = TestDb::create().await;
     db.migrate().await;
     let upstream = TestUpstream::start().await;
-    let dir = secrets_dir(&[("billing", STANDARD_SECRET)]);
-    let gw = gateway(
-        &db,
-        &upstream,
-        "/webhooks/billing",
-        &[
-            ("scheme", "standard-webhooks"),
-            ("secret_file", &dir.join("billing").display().to_string()),
-            ("tenant", "acme"),
-        ],
-    )
-    .await;
+    let (gw, _) = billing(&db, &upstream, &[]).await;
     let http = Http::default();
     let url = gw.url("/webhooks/billing");
     let id = format!("msg_{}", uuid::Uuid::new_v4().simple());
