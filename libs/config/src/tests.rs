@@ -461,7 +461,10 @@ fn secret_file(name: &str, text: &str) -> std::path::PathBuf {
 
 #[test]
 fn a_webhook_route_reads_its_secrets_names_its_tenant_and_keeps_keys_72h() {
-    let file = secret_file("billing.secret", "whsec_c2VjcmV0\n");
+    let file = secret_file(
+        "billing.secret",
+        "whsec_aWRlbWdhdGUtY29uZmlnLXRlc3Qtc2VjcmV0\n",
+    );
     let config = with(&webhook_route(
         "/webhooks/billing",
         &format!(
@@ -505,7 +508,10 @@ fn a_webhook_route_reads_its_secrets_names_its_tenant_and_keeps_keys_72h() {
 
 #[test]
 fn a_webhook_route_that_could_verify_nothing_or_names_no_tenant_is_refused() {
-    let good = secret_file("good.secret", "whsec_c2VjcmV0\n");
+    let good = secret_file(
+        "good.secret",
+        "whsec_aWRlbWdhdGUtY29uZmlnLXRlc3Qtc2VjcmV0\n",
+    );
     let good = good.display().to_string();
     let empty = secret_file("empty.secret", "\n").display().to_string();
     let dir = std::env::temp_dir().display().to_string();

@@ -8,8 +8,10 @@
 //! | [`Scheme::Stripe`] | the body's top-level `"id"` | `{t}.{body}` | `Stripe-Signature: t=…,v1=<hex>[,v1=…]` |
 //! | [`Scheme::Github`] | `X-GitHub-Delivery` | the body | `X-Hub-Signature-256: sha256=<hex>` |
 //!
-//! All three are HMAC-SHA256, checked here with RustCrypto's `hmac` and `sha2`, compared in
-//! constant time (`Mac::verify_slice`). (The `standardwebhooks` crate fixes its timestamp
+//! All three are HMAC-SHA256, checked here with RustCrypto's `hmac` and `sha2`: each
+//! secret's MAC computed once per delivery, compared in constant time (`subtle`) with at
+//! most [`MAX_SIGNATURES`] signatures of the right length — a header stuffed with
+//! thousands of them costs no more hashing than one. (The `standardwebhooks` crate fixes its timestamp
 //! tolerance at five minutes, where a route sets its own, and would bring a second
 //! generation of `base64` and `hmac` into the build; its format is a dozen lines.) The
 //! tests check signatures made by the senders' own code: the Standard Webhooks Python
@@ -28,6 +30,7 @@ use base64::engine::general_purpose::STANDARD as BASE64;
 use hmac::{Hmac, KeyInit, Mac};
 use http::HeaderMap;
 use sha2::Sha256;
+use subtle::ConstantTimeEq;
 
 type HmacSha256 = Hmac<Sha256>;
 
@@ -97,7 +100,20 @@ pub enum SecretError {
     Empty,
     #[error("line {line}: a Standard Webhooks secret is `whsec_` and base64 ({why})")]
     NotBase64 { line: usize, why: String },
+    #[error("line {line}: a secret of {len} bytes is guessable; use at least {MIN_SECRET_BYTES}")]
+    TooShort { line: usize, len: usize },
 }
+
+/// The shortest secret accepted: an empty or short key (a template's `whsec_` with
+/// nothing after it) would let anyone sign.
+pub const MIN_SECRET_BYTES: usize = 16;
+
+/// The most signatures of one delivery that are checked: a sender signs with one secret,
+/// or two while it rotates. More is an attempt to make the gateway hash for nothing.
+pub const MAX_SIGNATURES: usize = 8;
+
+/// The length of an HMAC-SHA256 tag.
+const TAG_BYTES: usize = 32;
 
 impl Secrets {
     /// The secrets of a file's `text` for `scheme`: blank lines and the whitespace around
@@ -120,6 +136,12 @@ impl Secrets {
                 }
                 Scheme::Stripe | Scheme::Github => line.as_bytes().to_vec(),
             };
+            if key.len() < MIN_SECRET_BYTES {
+                return Err(SecretError::TooShort {
+                    line: n + 1,
+                    len: key.len(),
+                });
+            }
             keys.push(key);
         }
         if keys.is_empty() {
@@ -136,15 +158,31 @@ impl Secrets {
         self.0.is_empty()
     }
 
-    /// Whether any secret's HMAC-SHA256 of the parts, in order, is `tag` (constant time).
-    fn verify(&self, parts: &[&[u8]], tag: &[u8]) -> bool {
-        self.0.iter().any(|key| {
+    /// Whether any secret's HMAC-SHA256 of the parts, in order, is one of `tags`: each
+    /// secret's MAC computed once, whatever the number of tags (at most
+    /// [`MAX_SIGNATURES`] of them, each of a tag's length, are looked at), and compared in
+    /// constant time.
+    fn verify(&self, parts: &[&[u8]], tags: impl IntoIterator<Item = Vec<u8>>) -> bool {
+        let tags: Vec<Vec<u8>> = tags
+            .into_iter()
+            .filter(|tag| tag.len() == TAG_BYTES)
+            .take(MAX_SIGNATURES)
+            .collect();
+        if tags.is_empty() {
+            return false;
+        }
+        let mut verified = subtle::Choice::from(0);
+        for key in &self.0 {
             let mut mac = HmacSha256::new_from_slice(key).expect("HMAC takes a key of any length");
             for part in parts {
                 mac.update(part);
             }
-            mac.verify_slice(tag).is_ok()
-        })
+            let expected = mac.finalize().into_bytes();
+            for tag in &tags {
+                verified |= expected.as_slice().ct_eq(tag);
+            }
+        }
+        verified.into()
     }
 }
 
@@ -221,11 +259,11 @@ fn standard(
     let signatures = header(headers, &["webhook-signature", "svix-signature"])?;
     let signed_at: u64 = timestamp.parse().map_err(|_| Rejection::Invalid)?;
     let content = [id.as_bytes(), b".", timestamp.as_bytes(), b".", body];
-    let verified = signatures
+    let tags = signatures
         .split(' ')
         .filter_map(|s| s.strip_prefix("v1,"))
-        .filter_map(|s| BASE64.decode(s).ok())
-        .any(|tag| secrets.verify(&content, &tag));
+        .filter_map(|s| BASE64.decode(s).ok());
+    let verified = secrets.verify(&content, tags);
     if !verified {
         return Err(Rejection::Invalid);
     }
@@ -250,10 +288,7 @@ fn stripe(
     let t = t.ok_or(Rejection::Invalid)?;
     let signed_at: u64 = t.parse().map_err(|_| Rejection::Invalid)?;
     let content = [t.as_bytes(), b".", body];
-    let verified = v1
-        .iter()
-        .filter_map(|s| hex::decode(s).ok())
-        .any(|tag| secrets.verify(&content, &tag));
+    let verified = secrets.verify(&content, v1.iter().filter_map(|s| hex::decode(s).ok()));
     if !verified {
         return Err(Rejection::Invalid);
     }
@@ -282,7 +317,7 @@ fn github(
         .strip_prefix("sha256=")
         .and_then(|hex_tag| hex::decode(hex_tag).ok())
         .ok_or(Rejection::Invalid)?;
-    if !secrets.verify(&[body], &tag) {
+    if !secrets.verify(&[body], [tag]) {
         return Err(Rejection::Invalid);
     }
     let key = headers

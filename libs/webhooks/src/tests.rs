@@ -319,3 +319,41 @@ fn schemes_are_named_as_the_config_names_them() {
     }
     assert!("svix".parse::<Scheme>().is_err());
 }
+
+#[test]
+fn a_short_secret_is_refused_and_a_header_stuffed_with_signatures_is_bounded() {
+    for text in ["whsec_", "whsec_AA==", "short"] {
+        let scheme = if text.starts_with("whsec_") {
+            Scheme::StandardWebhooks
+        } else {
+            Scheme::Github
+        };
+        assert!(
+            matches!(
+                Secrets::parse(scheme, text),
+                Err(SecretError::TooShort { line: 1, .. })
+            ),
+            "{text}"
+        );
+    }
+    // The right signature among the first MAX_SIGNATURES of the right length counts;
+    // past them it is not looked at.
+    let wrong = format!("v1,{}", BASE64.encode([7u8; 32]));
+    let within = format!(
+        "{} {STANDARD_SIGNATURE}",
+        [wrong.as_str(); MAX_SIGNATURES - 1].join(" ")
+    );
+    assert!(verify_standard(&standard_headers(&within), STANDARD_BODY, SIGNED_AT).is_ok());
+    let beyond = format!(
+        "{} {STANDARD_SIGNATURE}",
+        [wrong.as_str(); MAX_SIGNATURES].join(" ")
+    );
+    assert_eq!(
+        verify_standard(&standard_headers(&beyond), STANDARD_BODY, SIGNED_AT),
+        Err(Rejection::Invalid)
+    );
+    // Tags of another length are not counted among them.
+    let short = vec!["v1,AA=="; 1000].join(" ");
+    let padded = format!("{short} {STANDARD_SIGNATURE}");
+    assert!(verify_standard(&standard_headers(&padded), STANDARD_BODY, SIGNED_AT).is_ok());
+}

@@ -25,7 +25,10 @@ impl FromRequestParts<Arc<AppState>> for Tenant {
     type Rejection = Problem;
 
     async fn from_request_parts(parts: &mut Parts, app: &Arc<AppState>) -> Result<Self, Problem> {
-        if let Some(route) = app.routes.find(&parts.method, parts.uri.path())
+        // Never on idemgate's own paths (a `{tenant}` template could match one): the
+        // lookup API takes its tenant from a token only.
+        if !parts.uri.path().starts_with(idem_config::routes::RESERVED)
+            && let Some(route) = app.routes.find(&parts.method, parts.uri.path())
             && let Some(webhook) = &route.webhook
         {
             let tenant = crate::webhook::tenant(route, webhook, parts.uri.path())?;

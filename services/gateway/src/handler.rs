@@ -107,12 +107,12 @@ async fn serve(
         return Ok((axum::Extension(observe::OutcomeLabel("proxied")), response).into_response());
     };
     let fingerprint = if route.webhook.is_some() {
-        // The raw body: a provider's redeliveries carry the same bytes.
-        let target = parts.uri.path_and_query().map_or("/", |pq| pq.as_str());
+        // The raw body, the one thing signed: a provider's redeliveries carry the same
+        // bytes (the route's template stands for the unsigned path and query).
         app.fingerprints
             .compute(
                 parts.method.as_str(),
-                target,
+                route.template.as_str(),
                 idem_core::BodyKind::Raw,
                 &body,
                 slot.clone(),

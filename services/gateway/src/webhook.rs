@@ -20,16 +20,30 @@ use idem_webhooks::{Rejection, Secrets};
 
 use crate::problem::Problem;
 
-/// The tenant of a delivery to a webhook route: the route's own, or its path's `{tenant}`.
+/// The tenant of a delivery to a webhook route: the route's own, or its path's `{tenant}`
+/// — one that has a secrets file: a `{tenant}` without one is refused here, before its
+/// quota or anything else of a tenant is touched, so unsigned requests to made-up
+/// tenants leave nothing behind.
 pub fn tenant(route: &Route, webhook: &Webhook, path: &str) -> Result<String, Problem> {
     let tenant = match &webhook.tenant {
         Some(tenant) => Some(tenant.as_str()),
         None => route.template.param(path, "tenant"),
     };
-    tenant
+    let tenant = tenant
         .filter(|t| idem_auth::valid_tenant(t))
-        .map(str::to_owned)
-        .ok_or(Problem::RouteNotFound)
+        .ok_or(Problem::RouteNotFound)?;
+    if let SecretSource::Dir(dir) = &webhook.secrets
+        && !dir.join(tenant).is_file()
+    {
+        return Err(rejected(Rejection::Invalid));
+    }
+    Ok(tenant.to_owned())
+}
+
+/// A refused delivery, counted by its reason.
+fn rejected(rejection: Rejection) -> Problem {
+    counter!("idemgate_webhooks_rejected_total", "reason" => rejection.reason()).increment(1);
+    Problem::WebhookSignatureInvalid(rejection.reason())
 }
 
 /// The secrets files of the webhook routes, each as last read.
@@ -41,8 +55,25 @@ pub struct SecretFiles {
 #[derive(Debug, Clone)]
 struct Loaded {
     /// What the file looked like when read: read again when this changes.
-    seen: Option<(SystemTime, u64)>,
+    seen: Seen,
     secrets: Option<Arc<Secrets>>,
+}
+
+/// A file's identity and last change: its inode and change time catch a same-length
+/// secret written with its modification time kept (`cp -p`, `rsync -t`), and a
+/// Kubernetes Secret's files swapped in by a new symlink.
+type Seen = (u64, u64, SystemTime, i64, i64);
+
+fn seen(path: &Path) -> Option<Seen> {
+    use std::os::unix::fs::MetadataExt;
+    let m = std::fs::metadata(path).ok()?;
+    Some((
+        m.ino(),
+        m.len(),
+        m.modified().ok()?,
+        m.ctime(),
+        m.ctime_nsec(),
+    ))
 }
 
 impl SecretFiles {
@@ -53,9 +84,8 @@ impl SecretFiles {
             // The tenant is one path segment already (no `/`, no dot segment).
             SecretSource::Dir(dir) => dir.join(tenant),
         };
-        let seen = std::fs::metadata(&path)
-            .ok()
-            .and_then(|m| Some((m.modified().ok()?, m.len())));
+        // No file, no secrets — and nothing remembered of it.
+        let seen = seen(&path)?;
         let mut files = self.files.lock().expect("secret files");
         if let Some(loaded) = files.get(&path)
             && loaded.seen == seen
@@ -112,10 +142,7 @@ pub fn verify(
                 webhook.tolerance,
             )
         });
-    let verified = verified.map_err(|rejection| {
-        counter!("idemgate_webhooks_rejected_total", "reason" => rejection.reason()).increment(1);
-        Problem::WebhookSignatureInvalid(rejection.reason())
-    })?;
+    let verified = verified.map_err(rejected)?;
     let key = verified.key.ok_or(Problem::KeyMissing)?;
     IdempotencyKey::parse(key.as_bytes())
         .map_err(|e| Problem::KeyInvalid(idem_http::problem::KeyHeaderError::Invalid(e)))

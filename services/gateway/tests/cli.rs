@@ -234,7 +234,7 @@ fn check_config_reads_webhook_secrets_and_warns_of_a_short_ttl() {
         std::env::temp_dir().join(format!("idemgate-cli-wh-{}", uuid::Uuid::new_v4().simple()));
     std::fs::create_dir_all(&dir).unwrap();
     let secret = dir.join("billing.secret");
-    std::fs::write(&secret, "whsec_c2VjcmV0\n").unwrap();
+    std::fs::write(&secret, "whsec_aWRlbWdhdGUtY29uZmlnLXRlc3Qtc2VjcmV0\n").unwrap();
     let route = |file: &str, ttl: &str| {
         good().route(
             Route::idempotent("POST", "/webhooks/billing", "http://127.0.0.1:9090")

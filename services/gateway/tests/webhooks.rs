@@ -479,3 +479,27 @@ async fn a_redelivery_while_the_first_runs_is_409_with_retry_after() {
     assert_eq!(first.await.unwrap().status, StatusCode::CREATED);
     assert_eq!(upstream.calls(), 1);
 }
+
+/// A `{tenant}` template can match one of idemgate's own paths (`/{tenant}/v1/keys` matches
+/// `/_idemgate/v1/keys`): the lookup API there still takes its tenant from a token only.
+/// (Found in review: the webhook route's tenant, taken from the path with no signature
+/// checked yet, answered the lookup.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idemgates_own_paths_never_take_a_webhook_routes_tenant() {
+    let db = TestDb::create().await;
+    let upstream = TestUpstream::start().await;
+    let dir = secrets_dir(&[("_idemgate", "a-github-secret-of-some-length")]);
+    let config = TestConfig::new(&db).route(
+        Route::idempotent("GET", "/{tenant}/v1/keys", &upstream.url()).webhook(&[
+            ("scheme", "github"),
+            ("secret_dir", &dir.display().to_string()),
+        ]),
+    );
+    let gw = GatewayProcess::start(&config.toml()).await;
+    let lookup = Http::default()
+        .get(&gw.url("/_idemgate/v1/keys"))
+        .send()
+        .await;
+    assert_eq!(lookup.status, StatusCode::UNAUTHORIZED, "{:?}", lookup.body);
+    assert_eq!(lookup.problem(), "unauthorized");
+}
