@@ -56,8 +56,14 @@ async fn serve(
     // Extract.
     let Key(key) = key?;
     // The tenant's quotas, before anything is read or claimed; its place among its
-    // requests in flight goes with the work, as the slot does.
-    let tenant_permit = app.tenants.admit(&tenant)?.map(Arc::new);
+    // requests in flight goes with the work, as the slot does. A webhook delivery is
+    // admitted once its signature has proved its sender (below), as a token proves a
+    // client's before this: unsigned requests never spend a tenant's quota.
+    let mut tenant_permit = if route.webhook.is_some() {
+        None
+    } else {
+        app.tenants.admit(&tenant)?.map(Arc::new)
+    };
     let rules = app.tenants.rules(&tenant);
     let policy = rules
         .policy(&route.endpoint)
@@ -84,6 +90,7 @@ async fn serve(
         Some(webhook) => {
             let key =
                 crate::webhook::verify(&app.webhook_secrets, webhook, &tenant, &parts, &body)?;
+            tenant_permit = app.tenants.admit(&tenant)?.map(Arc::new);
             Span::current().record("idempotency.key", key.as_str());
             Some(key)
         }

@@ -503,3 +503,56 @@ async fn idemgates_own_paths_never_take_a_webhook_routes_tenant() {
     assert_eq!(lookup.status, StatusCode::UNAUTHORIZED, "{:?}", lookup.body);
     assert_eq!(lookup.problem(), "unauthorized");
 }
+
+/// A delivery spends its tenant's quota once its signature has proved its sender, as a
+/// client's request does once its token has: a flood of unsigned requests is refused 401
+/// and leaves the tenant's real deliveries their quota. (On 8efe06f the quota was spent
+/// first: the second unsigned request was "429 tenant-rate-limited", and so was the
+/// genuine delivery after them.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unsigned_requests_never_spend_the_tenants_quota() {
+    let db = TestDb::create().await;
+    let upstream = TestUpstream::start().await;
+    let file = secrets_dir(&[("billing", STANDARD_SECRET)]).join("billing");
+    let config = TestConfig::new(&db).set("tenants.acme.rate", "1/s").route(
+        Route::idempotent("POST", "/webhooks/billing", &upstream.url()).webhook(&[
+            ("scheme", "standard-webhooks"),
+            ("secret_file", &file.display().to_string()),
+            ("tenant", "acme"),
+        ]),
+    );
+    let gw = GatewayProcess::start(&config.toml()).await;
+    let http = Http::default();
+    let url = gw.url("/webhooks/billing");
+    let body = r#"{"type":"invoice.paid"}"#;
+    for _ in 0..5 {
+        let id = format!("msg_{}", uuid::Uuid::new_v4().simple());
+        let forged = deliver(
+            &http,
+            &url,
+            &signed("standard-webhooks", OTHER_SECRET, &id, now(), body),
+            body,
+        )
+        .await;
+        assert_eq!(forged.status, StatusCode::UNAUTHORIZED, "{:?}", forged.body);
+    }
+    let id = format!("msg_{}", uuid::Uuid::new_v4().simple());
+    let genuine = deliver(
+        &http,
+        &url,
+        &signed("standard-webhooks", STANDARD_SECRET, &id, now(), body),
+        body,
+    )
+    .await;
+    assert_eq!(genuine.status, StatusCode::CREATED, "{:?}", genuine.body);
+    // The quota holds for signed deliveries.
+    let id = format!("msg_{}", uuid::Uuid::new_v4().simple());
+    let next = deliver(
+        &http,
+        &url,
+        &signed("standard-webhooks", STANDARD_SECRET, &id, now(), body),
+        body,
+    )
+    .await;
+    assert_eq!(next.problem(), "tenant-rate-limited", "{:?}", next.body);
+}
