@@ -65,8 +65,12 @@ pub enum Problem {
     /// same answer whether it was never used, has expired, or is another tenant's.
     KeyNotFound,
     Unauthorized(AuthError),
-    /// A webhook delivery whose signature is missing, invalid or stale (the reason).
-    WebhookSignatureInvalid(&'static str),
+    /// A webhook delivery whose signature is missing, invalid or stale: the reason, and
+    /// what it means.
+    WebhookSignatureInvalid {
+        reason: &'static str,
+        explanation: &'static str,
+    },
     /// An admin call without the bearer token of `admin.token_file`.
     AdminUnauthorized,
     /// An operator's release that changed nothing, and why (docs/operations.md).
@@ -192,17 +196,15 @@ impl Problem {
                 "Unauthorized",
                 why.to_string(),
             ),
-            WebhookSignatureInvalid(reason) => (
+            WebhookSignatureInvalid {
+                reason,
+                explanation,
+            } => (
                 StatusCode::UNAUTHORIZED,
                 "webhook-signature-invalid",
                 "Webhook signature invalid",
                 format!(
-                    "This route takes deliveries signed by its provider, and this one's signature is {reason}: {}. Nothing was recorded.",
-                    match *reason {
-                        "missing" => "a header its scheme signs with is absent",
-                        "stale" => "its signed timestamp is outside the route's tolerance",
-                        _ => "it is malformed, or no secret of this route made it",
-                    }
+                    "This route takes deliveries signed by its provider, and this one's signature is {reason}: {explanation}. Nothing was recorded."
                 ),
             ),
             AdminUnauthorized => (

@@ -205,6 +205,15 @@ impl Rejection {
             Self::Stale => "stale",
         }
     }
+
+    /// What the reason means, for the sender's operator.
+    pub fn explanation(self) -> &'static str {
+        match self {
+            Self::Missing => "a header its scheme signs with is absent",
+            Self::Invalid => "it is malformed, or no secret of this route made it",
+            Self::Stale => "its signed timestamp is outside the route's tolerance",
+        }
+    }
 }
 
 /// A delivery whose signature verified, and its key: `None` when the sender named none

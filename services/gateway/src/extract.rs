@@ -28,10 +28,10 @@ impl FromRequestParts<Arc<AppState>> for Tenant {
         // Never on idemgate's own paths (a `{tenant}` template could match one): the
         // lookup API takes its tenant from a token only.
         if !parts.uri.path().starts_with(idem_config::routes::RESERVED)
-            && let Some(route) = app.routes.find(&parts.method, parts.uri.path())
+            && let Some(Matched(route)) = Matched::of(parts, app)
             && let Some(webhook) = &route.webhook
         {
-            let tenant = crate::webhook::tenant(route, webhook, parts.uri.path())?;
+            let tenant = crate::webhook::tenant(&route, webhook, parts.uri.path())?;
             Span::current().record("tenant.id", tenant.as_str());
             return Ok(Self(tenant));
         }
@@ -55,17 +55,22 @@ impl FromRequestParts<Arc<AppState>> for Matched {
     type Rejection = Problem;
 
     async fn from_request_parts(parts: &mut Parts, app: &Arc<AppState>) -> Result<Self, Problem> {
+        Self::of(parts, app).ok_or(Problem::RouteNotFound)
+    }
+}
+
+impl Matched {
+    /// The request's route, matched once (by [`Tenant`], which must know whether it is a
+    /// webhook route, or here) and kept in the request's extensions.
+    fn of(parts: &mut Parts, app: &AppState) -> Option<Self> {
         if let Some(matched) = parts.extensions.get::<Self>() {
-            return Ok(matched.clone());
+            return Some(matched.clone());
         }
-        let route = app
-            .routes
-            .find(&parts.method, parts.uri.path())
-            .ok_or(Problem::RouteNotFound)?;
+        let route = app.routes.find(&parts.method, parts.uri.path())?;
         Span::current().record("idempotency.endpoint", route.endpoint.as_str());
         let matched = Self(route.clone());
         parts.extensions.insert(matched.clone());
-        Ok(matched)
+        Some(matched)
     }
 }
 

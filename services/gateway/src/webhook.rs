@@ -43,7 +43,10 @@ pub fn tenant(route: &Route, webhook: &Webhook, path: &str) -> Result<String, Pr
 /// A refused delivery, counted by its reason.
 fn rejected(rejection: Rejection) -> Problem {
     counter!("idemgate_webhooks_rejected_total", "reason" => rejection.reason()).increment(1);
-    Problem::WebhookSignatureInvalid(rejection.reason())
+    Problem::WebhookSignatureInvalid {
+        reason: rejection.reason(),
+        explanation: rejection.explanation(),
+    }
 }
 
 /// The secrets files of the webhook routes, each as last read.

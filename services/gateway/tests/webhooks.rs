@@ -14,6 +14,11 @@ use http::StatusCode;
 const STANDARD_SECRET: &str = "whsec_aWRlbWdhdGUtdGVzdC1zZWNyZXQtMDEyMzQ1Njc4OWFi";
 const OTHER_SECRET: &str = "whsec_b3RoZXItc2VjcmV0LW9mLXRoZS1zYW1lLWxlbmd0aCE=";
 
+/// A fresh Standard Webhooks message id.
+fn msg_id() -> String {
+    format!("msg_{}", uuid::Uuid::new_v4().simple())
+}
+
 fn now() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
@@ -135,7 +140,7 @@ async fn a_delivery_executes_once_and_every_resigned_redelivery_replays_it() {
     let upstream = TestUpstream::start().await;
     let (gw, _) = billing(&db, &upstream, &[]).await;
     let http = Http::default();
-    let id = format!("msg_{}", uuid::Uuid::new_v4().simple());
+    let id = msg_id();
     let body = r#"{"type":"invoice.paid","amount":100}"#;
     let url = gw.url("/webhooks/billing");
 
@@ -202,7 +207,7 @@ async fn a_wrong_missing_or_stale_signature_is_401_and_claims_nothing() {
     let http = Http::default();
     let url = gw.url("/webhooks/billing");
     let body = r#"{"type":"invoice.paid"}"#;
-    let id = format!("msg_{}", uuid::Uuid::new_v4().simple());
+    let id = msg_id();
     let good = signed("standard-webhooks", STANDARD_SECRET, &id, now(), body);
     let unsigned: Vec<_> = good
         .iter()
@@ -284,7 +289,7 @@ async fn two_tenants_deliveries_with_one_event_id_are_two_operations() {
     )
     .await;
     let http = Http::default();
-    let id = format!("msg_{}", uuid::Uuid::new_v4().simple());
+    let id = msg_id();
     let body = r#"{"type":"invoice.paid"}"#;
     for (tenant, secret) in [("acme", STANDARD_SECRET), ("globex", OTHER_SECRET)] {
         let url = gw.url(&format!("/webhooks/{tenant}/billing"));
@@ -341,7 +346,7 @@ async fn a_rotated_secret_verifies_old_and_new_senders_without_a_restart() {
     let url = gw.url("/webhooks/billing");
     let body = r#"{"type":"invoice.paid"}"#;
     let send = |secret: &'static str| {
-        let id = format!("msg_{}", uuid::Uuid::new_v4().simple());
+        let id = msg_id();
         let headers = signed("standard-webhooks", secret, &id, now(), body);
         let (http, url) = (http.clone(), url.clone());
         async move { deliver(&http, &url, &headers, body).await.status }
@@ -459,7 +464,7 @@ async fn a_redelivery_while_the_first_runs_is_409_with_retry_after() {
     let (gw, _) = billing(&db, &upstream, &[]).await;
     let http = Http::default();
     let url = gw.url("/webhooks/billing");
-    let id = format!("msg_{}", uuid::Uuid::new_v4().simple());
+    let id = msg_id();
     let body = r#"{"type":"invoice.paid"}"#;
     let mut slow = signed("standard-webhooks", STANDARD_SECRET, &id, now(), body);
     slow.push(("x-test-delay-ms".into(), "1500".into()));
@@ -526,7 +531,7 @@ async fn unsigned_requests_never_spend_the_tenants_quota() {
     let url = gw.url("/webhooks/billing");
     let body = r#"{"type":"invoice.paid"}"#;
     for _ in 0..5 {
-        let id = format!("msg_{}", uuid::Uuid::new_v4().simple());
+        let id = msg_id();
         let forged = deliver(
             &http,
             &url,
@@ -536,7 +541,7 @@ async fn unsigned_requests_never_spend_the_tenants_quota() {
         .await;
         assert_eq!(forged.status, StatusCode::UNAUTHORIZED, "{:?}", forged.body);
     }
-    let id = format!("msg_{}", uuid::Uuid::new_v4().simple());
+    let id = msg_id();
     let genuine = deliver(
         &http,
         &url,
@@ -546,7 +551,7 @@ async fn unsigned_requests_never_spend_the_tenants_quota() {
     .await;
     assert_eq!(genuine.status, StatusCode::CREATED, "{:?}", genuine.body);
     // The quota holds for signed deliveries.
-    let id = format!("msg_{}", uuid::Uuid::new_v4().simple());
+    let id = msg_id();
     let next = deliver(
         &http,
         &url,
