@@ -92,6 +92,32 @@ pub const COMPLETE_SQL: &str = complete_sql!(
                             ttl_ms, omitted, request_hash, n)"
 );
 
+/// [`COMPLETE_SQL`]; in a debug build started with `IDEMGATE_NO_WRITE_BACK` set, the same
+/// statement with the write-back of absent rows switched off — for `loadtest/chaos`'s
+/// drill that counts what asynchronous replication loses without it. Release builds
+/// always write back.
+#[cfg(debug_assertions)]
+fn complete_sql() -> &'static str {
+    static SQL: std::sync::OnceLock<&'static str> = std::sync::OnceLock::new();
+    SQL.get_or_init(|| {
+        if std::env::var_os("IDEMGATE_NO_WRITE_BACK").is_none() {
+            return COMPLETE_SQL;
+        }
+        const RESTORE: &str = "FROM i WHERE NOT EXISTS";
+        assert!(
+            COMPLETE_SQL.contains(RESTORE),
+            "the write-back's condition moved"
+        );
+        tracing::warn!("IDEMGATE_NO_WRITE_BACK: completions never write back an absent row");
+        String::leak(COMPLETE_SQL.replacen(RESTORE, "FROM i WHERE false AND NOT EXISTS", 1))
+    })
+}
+
+#[cfg(not(debug_assertions))]
+fn complete_sql() -> &'static str {
+    COMPLETE_SQL
+}
+
 /// The completion of one row, $1..$9 (tenant, endpoint, key, attempt, status, headers,
 /// body, TTL ms, body omitted): embedded mode's, in the transaction that claimed the row.
 /// That transaction's own uncommitted row: no other transaction can lock it, move it or
@@ -193,7 +219,7 @@ impl Batch for Completions {
         conn: &mut PgConnection,
         rows: &[&CompleteRow],
     ) -> Result<Vec<Completed>, sqlx::Error> {
-        let held: Vec<(i64, i64, bool)> = sqlx::query_as(COMPLETE_SQL)
+        let held: Vec<(i64, i64, bool)> = sqlx::query_as(complete_sql())
             .bind(column(rows, |r| r.scope.tenant.as_str()))
             .bind(column(rows, |r| r.scope.endpoint.as_str()))
             .bind(column(rows, |r| r.scope.key.as_str()))

@@ -14,9 +14,19 @@ use crate::headers;
 
 /// Takes up to $1 in-progress rows whose lease ran out, oldest lease first, for $2 ms:
 /// other reconcilers skip them meanwhile.
+///
+/// Committed without waiting for a synchronous standby (`synchronous_commit = local`, for
+/// this transaction alone, set only when a row is taken). A take is a courtesy between
+/// reconcilers, not a result: lost in a failover, the row is simply taken again, and what
+/// the reconcilers then write is fenced by the row's attempt. Waiting, it would hang while
+/// a synchronous standby is away (`synchronous_mode_strict` until the old primary has
+/// rejoined): given up within its budget, it would commit later all the same, and hold its
+/// rows — with no reconciler looking at them — for the whole processing lease.
 pub const TAKE_SQL: &str = concat!(
     "WITH stuck AS (\
-       SELECT k.tenant_id, k.endpoint, k.key FROM idempotency_keys AS k \
+       SELECT k.tenant_id, k.endpoint, k.key, \
+         set_config('synchronous_commit', 'local', true) AS unsynced \
+       FROM idempotency_keys AS k \
        WHERE k.status = 'in_progress' AND ",
     rules::lease_over!(),
     " ORDER BY k.locked_until \
