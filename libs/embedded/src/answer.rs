@@ -1,6 +1,7 @@
 //! The answers the layer gives: those decided without the handler (a replay, a conflict,
-//! in progress), the handler's own (read within `max_response_bytes`, or passed through
-//! past it), and a rolled-back one marked `not_executed`.
+//! in progress, as [`crate::once::run`] decides them), the handler's own (read within
+//! `max_response_bytes`, or passed through past it), and a rolled-back one marked
+//! `not_executed`.
 
 use std::convert::Infallible;
 use std::pin::Pin;
@@ -12,42 +13,13 @@ use bytes::{Bytes, BytesMut};
 use http::{HeaderValue, header};
 use http_body::Frame;
 use http_body_util::BodyExt;
-use idem_core::verdict::{self, Decision};
-use idem_core::{Cache, Outcome, Scope, Verdict};
+use idem_core::Outcome;
 use idem_http::Problem;
 use idem_http::problem::NOT_EXECUTED;
 use idem_telemetry::propagation;
-use tokio::time::Instant;
 use tracing::Span;
 
 use crate::Shared;
-
-/// What a live record found by the claim answers. `read`: when the statement that read
-/// it was answered, to hold a copy no longer than the row lives.
-pub(crate) async fn existing(
-    shared: &Shared,
-    scope: &Scope,
-    verdict: Verdict,
-    read: Instant,
-) -> Response {
-    let outcome = match verdict.decide(read.elapsed(), false) {
-        Decision::Replay {
-            entry,
-            keep_for,
-            waited,
-        } => {
-            if let Some(left) = keep_for
-                && !entry.response.body_omitted
-            {
-                shared.replays.fill(scope, &entry, left).await;
-            }
-            verdict::replayed(entry, waited)
-        }
-        Decision::Answer(outcome) => outcome,
-        Decision::Running(record) => verdict::in_progress(&record, false),
-    };
-    respond(shared, outcome)
-}
 
 /// The answer to an outcome decided without running the handler: a replay's, a
 /// conflict's span links to the first execution, as at the gateway.

@@ -33,8 +33,15 @@
 //! (`idem-postgres`, whose migrations create it), tokens (`idem-auth`). So a route can
 //! move between gateway and embedded mode and keep its keys.
 //!
+//! A queue's consumer runs a message the same way, without HTTP: [`Idempotency::once`]
+//! takes a [`Job`] (tenant, endpoint, key, payload) and the operation, and commits the
+//! claim, the operation's writes and its [`Stored`] result together. The HTTP layer runs
+//! each request through the same engine ([`once`]): one code path for both.
+//!
 //! # Layout
 //! - [`Idempotency`] and [`Options`]: the shared state and its settings.
+//! - [`once`]: the engine (replay memory, the key's turn, claim, operation, commit), and
+//!   [`Idempotency::once`] on it.
 //! - [`layer`]: the tower layer, and one request through it.
 //! - [`tx`]: the [`Tx`] extractor.
 //! - `gate`: one request per key at a time from this process; its duplicates wait in memory.
@@ -43,6 +50,7 @@
 mod answer;
 mod gate;
 pub mod layer;
+pub mod once;
 pub mod tx;
 
 use std::sync::Arc;
@@ -58,6 +66,7 @@ use sqlx::PgPool;
 
 pub use idem_postgres::migrate;
 pub use layer::{IdempotencyLayer, IdempotencyService};
+pub use once::{Job, Once, OnceError, Stored};
 pub use tx::Tx;
 
 /// Where the tenant of a request comes from. There is no default: a service chooses its
@@ -301,7 +310,7 @@ impl Idempotency {
     /// create ([`migrate`]).
     pub fn new(pool: PgPool, options: Options<TenantFrom>) -> Self {
         let Options { tenant, settings } = options;
-        let begin = layer::begin_waiting(layer::FIRST_LOCK_WAIT.min(settings.lock_wait));
+        let begin = once::begin_waiting(once::FIRST_LOCK_WAIT.min(settings.lock_wait));
         let lock_waits = settings
             .max_lock_waits
             .unwrap_or(pool.options().get_max_connections() as usize / 4)

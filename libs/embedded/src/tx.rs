@@ -23,6 +23,15 @@ pub struct Tx {
     slot: Slot,
 }
 
+impl Tx {
+    /// The transaction a fresh slot holds, for an operation run without a request.
+    pub(crate) fn in_slot(slot: Slot) -> Self {
+        let tx = slot.take();
+        assert!(tx.is_some(), "a fresh slot holds its transaction");
+        Self { tx, slot }
+    }
+}
+
 impl std::fmt::Debug for Tx {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Tx").finish_non_exhaustive()
