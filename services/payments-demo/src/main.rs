@@ -24,12 +24,17 @@
 //! after the insert and before the commit, and `X-Demo-Fail: 500` answers 500 after the
 //! insert (so it is rolled back).
 //!
+//! With `PAYMENTS_DEMO_MODE=consumer` it pays the commands of a Redis Stream instead, each
+//! at most once, through `idem-embedded`'s `once` ([`consumer`]); it serves only
+//! `GET /healthz` then.
+//!
 //! # Why one file of ~400 lines
 //! The demo is read as one page: its routes, the rows they write and the headers that
 //! bend them for tests (delay, failure, probe) side by side; its embedded mode
 //! (`embedded.rs`) and outbox worker (`outbox.rs`) are modules of their own.
 #![forbid(unsafe_code)]
 
+mod consumer;
 mod embedded;
 mod outbox;
 
@@ -146,17 +151,17 @@ async fn main() -> anyhow::Result<()> {
         .await
         .context("creating the demo tables")?;
 
-    let embedded = match std::env::var("PAYMENTS_DEMO_MODE").as_deref() {
-        Ok("embedded") => true,
-        Ok("upstream") | Err(_) => false,
-        Ok(other) => {
-            anyhow::bail!("PAYMENTS_DEMO_MODE={other:?}: expected \"upstream\" or \"embedded\"")
+    let app = match std::env::var("PAYMENTS_DEMO_MODE").as_deref() {
+        Ok("upstream") | Err(_) => upstream_app(pool.clone()),
+        Ok("embedded") => embedded::app(pool.clone()).await?,
+        Ok("consumer") => {
+            let consumer = consumer::Consumer::from_env(pool.clone()).await?;
+            tokio::spawn(consumer.run());
+            Router::new().route("/healthz", get(|| async { "ok" }))
         }
-    };
-    let app = if embedded {
-        embedded::app(pool.clone()).await?
-    } else {
-        upstream_app(pool.clone())
+        Ok(other) => anyhow::bail!(
+            "PAYMENTS_DEMO_MODE={other:?}: expected \"upstream\", \"embedded\" or \"consumer\""
+        ),
     };
     let listener = tokio::net::TcpListener::bind(&listen)
         .await

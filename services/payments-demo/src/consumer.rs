@@ -1,0 +1,254 @@
+//! Consumer mode (`PAYMENTS_DEMO_MODE=consumer`, DESIGN §17.2): payment commands from a
+//! Redis Stream, each run at most once by `idem-embedded`'s [`Idempotency::once`].
+//!
+//! A message's fields: `tenant`, `key` (the producer's id for the logical operation, so a
+//! producer that publishes twice is deduplicated too) and `body` (the payment JSON of
+//! `POST /payments`). The consumer reads with `XREADGROUP` in the group `payments-demo`
+//! (created if missing), runs the message through `once` — the key's claim, the payment row
+//! and the stored receipt in one transaction — and `XACK`s it only after the commit. A
+//! consumer killed between its commit and its ack leaves the message pending: once it has
+//! been idle for `PAYMENTS_DEMO_CLAIM_IDLE` (default 5 s) any consumer of the group takes
+//! it over (`XAUTOCLAIM`), and `once` replays the stored receipt instead of paying again.
+//!
+//! Environment: `PAYMENTS_DEMO_CONFIG` (a gateway config file: its `[redis] url` and
+//! `[idempotency]`), `PAYMENTS_DEMO_STREAM` (default `payments`; the records' endpoint is
+//! `stream:<name>`), `PAYMENTS_DEMO_CONSUMER` (default `consumer-<pid>`),
+//! `PAYMENTS_DEMO_CLAIM_IDLE`.
+
+use std::path::Path;
+use std::time::Duration;
+
+use anyhow::Context;
+use idem_embedded::{Idempotency, Job, Once, OnceError, Options, Stored, TenantFrom};
+use idem_telemetry::failpoint;
+use redis::aio::MultiplexedConnection;
+use redis::streams::{StreamAutoClaimOptions, StreamAutoClaimReply, StreamId, StreamReadReply};
+use secrecy::ExposeSecret;
+use sqlx::PgPool;
+use uuid::Uuid;
+
+use crate::{Input, PAYMENT};
+
+/// The consumer group every payments-demo consumer of a stream joins.
+pub(crate) const GROUP: &str = "payments-demo";
+
+/// How long one `XREADGROUP` waits for new messages.
+const BLOCK: Duration = Duration::from_secs(1);
+
+/// Messages taken per read.
+const BATCH: usize = 32;
+
+/// The consumer's settings, from the environment.
+pub(crate) struct Consumer {
+    stream: String,
+    endpoint: String,
+    name: String,
+    claim_idle: Duration,
+    redis: redis::Client,
+    idem: Idempotency,
+}
+
+impl Consumer {
+    /// Reads the environment and the config file, and applies the project's migrations.
+    pub(crate) async fn from_env(pool: PgPool) -> anyhow::Result<Self> {
+        let path = std::env::var_os("PAYMENTS_DEMO_CONFIG").context(
+            "PAYMENTS_DEMO_MODE=consumer needs PAYMENTS_DEMO_CONFIG=FILE: a gateway config file, whose [redis] url and [idempotency] it uses",
+        )?;
+        let path = Path::new(&path);
+        let config = idem_config::Config::load(path).map_err(|errors| {
+            anyhow::anyhow!("PAYMENTS_DEMO_CONFIG={}: {errors}", path.display())
+        })?;
+        let url = config
+            .redis
+            .as_ref()
+            .and_then(|redis| redis.url.as_ref())
+            .with_context(|| {
+                format!(
+                    "PAYMENTS_DEMO_CONFIG={}: consumer mode reads its stream from [redis] url",
+                    path.display()
+                )
+            })?;
+        let redis = redis::Client::open(url.expose_secret())
+            .context("PAYMENTS_DEMO_CONFIG's [redis] url")?;
+        let stream = std::env::var("PAYMENTS_DEMO_STREAM").unwrap_or_else(|_| "payments".into());
+        let name = std::env::var("PAYMENTS_DEMO_CONSUMER")
+            .unwrap_or_else(|_| format!("consumer-{}", std::process::id()));
+        let claim_idle = match std::env::var("PAYMENTS_DEMO_CLAIM_IDLE") {
+            Ok(text) => humantime::parse_duration(&text)
+                .with_context(|| format!("PAYMENTS_DEMO_CLAIM_IDLE={text:?}: expected e.g. 5s"))?,
+            Err(_) => Duration::from_secs(5),
+        };
+        idem_embedded::migrate(&pool)
+            .await
+            .context("applying the idempotency migrations")?;
+        // No HTTP in this mode: the tenant comes with each message, and no request ever
+        // asks the layer's tenant source.
+        let tenant = TenantFrom::Header(http::HeaderName::from_static("x-tenant-id"));
+        let idem = Idempotency::new(
+            pool.clone(),
+            Options::from_config(&config.idempotency).tenant(tenant),
+        );
+        Ok(Self {
+            endpoint: format!("stream:{stream}"),
+            stream,
+            name,
+            claim_idle,
+            redis,
+            idem,
+        })
+    }
+
+    /// Consumes until the process ends; Redis errors are logged and retried.
+    pub(crate) async fn run(self) {
+        tracing::info!(stream = %self.stream, consumer = %self.name, "consuming");
+        // On stdout: how to give it something to do.
+        println!(
+            "payments-demo consuming the stream {stream} as {name} (group {GROUP}); publish a payment with\n  \
+             redis-cli XADD {stream} '*' tenant acme key order-1 body '{{\"orderId\": \"order-1\", \"amountUah\": 100}}'",
+            stream = self.stream,
+            name = self.name,
+        );
+        loop {
+            if let Err(error) = self.session().await {
+                tracing::warn!(%error, "the stream could not be read; trying again in 1 s");
+                tokio::time::sleep(Duration::from_secs(1)).await;
+            }
+        }
+    }
+
+    /// One connection's worth of consuming.
+    async fn session(&self) -> redis::RedisResult<()> {
+        // A blocking read holds the connection for `BLOCK`: the reply may take that long.
+        let config = redis::AsyncConnectionConfig::new()
+            .set_connection_timeout(Some(Duration::from_secs(2)))
+            .set_response_timeout(Some(BLOCK + Duration::from_secs(2)));
+        let mut conn = self
+            .redis
+            .get_multiplexed_async_connection_with_config(&config)
+            .await?;
+        self.join_group(&mut conn).await?;
+        let mut cursor = "0-0".to_owned();
+        loop {
+            // Messages another consumer (or this one, before a restart) took and left
+            // unacknowledged for `claim_idle`: taken over, run again (`once` replays them if
+            // their commit happened).
+            let claimed: StreamAutoClaimReply = redis::cmd("XAUTOCLAIM")
+                .arg(&self.stream)
+                .arg(GROUP)
+                .arg(&self.name)
+                .arg(self.claim_idle.as_millis() as u64)
+                .arg(&cursor)
+                .arg(StreamAutoClaimOptions::default().count(BATCH))
+                .query_async(&mut conn)
+                .await?;
+            cursor = claimed.next_stream_id;
+            for message in &claimed.claimed {
+                self.handle(&mut conn, message).await?;
+            }
+            let read: StreamReadReply = redis::cmd("XREADGROUP")
+                .arg("GROUP")
+                .arg(GROUP)
+                .arg(&self.name)
+                .arg("COUNT")
+                .arg(BATCH)
+                .arg("BLOCK")
+                .arg(BLOCK.as_millis() as u64)
+                .arg("STREAMS")
+                .arg(&self.stream)
+                .arg(">")
+                .query_async(&mut conn)
+                .await?;
+            for message in read.keys.iter().flat_map(|key| &key.ids) {
+                self.handle(&mut conn, message).await?;
+            }
+        }
+    }
+
+    /// Creates the group (reading the stream from its start) unless it exists.
+    async fn join_group(&self, conn: &mut MultiplexedConnection) -> redis::RedisResult<()> {
+        let created: redis::RedisResult<()> = redis::cmd("XGROUP")
+            .arg("CREATE")
+            .arg(&self.stream)
+            .arg(GROUP)
+            .arg("0")
+            .arg("MKSTREAM")
+            .query_async(conn)
+            .await;
+        match created {
+            Err(error) if error.code() == Some("BUSYGROUP") => Ok(()),
+            other => other,
+        }
+    }
+
+    /// Runs one message at most once and acknowledges it once its outcome is final. A
+    /// message whose outcome is not (the ledger unreachable, a commit unacknowledged, a
+    /// duplicate still running) stays pending and is taken over after `claim_idle`.
+    async fn handle(
+        &self,
+        conn: &mut MultiplexedConnection,
+        message: &StreamId,
+    ) -> redis::RedisResult<()> {
+        let field = |name: &str| message.get::<String>(name);
+        let (Some(tenant), Some(key), Some(body)) = (field("tenant"), field("key"), field("body"))
+        else {
+            tracing::error!(id = %message.id, "a message without tenant, key or body is dropped (acknowledged)");
+            return self.ack(conn, message).await;
+        };
+        let job = Job::new(&tenant, &self.endpoint, &key, body.as_bytes());
+        let paid = self
+            .idem
+            .once(job, async |mut tx| {
+                let input = Input::parse(PAYMENT, body.as_bytes()).map_err(Refused::Input)?;
+                let id = Uuid::new_v4();
+                input
+                    .insert(&mut *tx, id, &tenant, Some(&key), None)
+                    .await
+                    .map_err(Refused::Db)?;
+                Ok(Stored::json(201, &input.body(id)).expect("a JSON value serialises"))
+            })
+            .await;
+        match paid {
+            Ok(Once::Ran(_)) => tracing::debug!(id = %message.id, %key, "paid"),
+            Ok(Once::Replayed(_)) => {
+                tracing::info!(id = %message.id, %key, "already paid: the stored receipt replayed")
+            }
+            Err(
+                error @ (OnceError::Invalid(_)
+                | OnceError::Mismatch
+                | OnceError::NotKept
+                | OnceError::Failed(Refused::Input(_))),
+            ) => {
+                // Final: the message can never be paid as it is.
+                tracing::error!(id = %message.id, %key, %error, "refused (acknowledged)");
+            }
+            Err(error) => {
+                tracing::warn!(id = %message.id, %key, %error, "left pending: taken over after the claim idle time");
+                return Ok(());
+            }
+        }
+        failpoint::stop_here("consumer-before-ack");
+        self.ack(conn, message).await
+    }
+
+    async fn ack(
+        &self,
+        conn: &mut MultiplexedConnection,
+        message: &StreamId,
+    ) -> redis::RedisResult<()> {
+        redis::cmd("XACK")
+            .arg(&self.stream)
+            .arg(GROUP)
+            .arg(&message.id)
+            .query_async(conn)
+            .await
+    }
+}
+
+/// Why a payment command was not paid.
+#[derive(Debug, thiserror::Error)]
+enum Refused {
+    #[error("the payment is invalid: {}", .0.1)]
+    Input((axum::http::StatusCode, String)),
+    #[error("the payment could not be written: {0}")]
+    Db(sqlx::Error),
+}
