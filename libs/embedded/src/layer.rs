@@ -155,13 +155,23 @@ where
     let trace_context = propagation::trace_context(&span, &parts.headers);
 
     let handler = async |slot: Slot, attempt: AttemptId| {
-        parts.extensions.insert(slot);
+        parts.extensions.insert(slot.clone());
         // For the handler: whose operation this is, and the attempt's token.
         parts.extensions.insert(scope.clone());
         parts.extensions.insert(attempt);
         let response = inner
             .oneshot_infallible(Request::from_parts(parts, Body::from(body)))
             .await;
+        if !slot.holds() {
+            // The handler moved its Tx somewhere that outlives it (its answer's body, a
+            // task): whatever writes through it meanwhile must not commit with the answer.
+            // The transaction ends (rolls back) when that is dropped.
+            tracing::error!(
+                ?scope,
+                "the handler kept its Tx after answering; its transaction is rolled back"
+            );
+            return Err(Problem::Internal);
+        }
         let status = response.status().as_u16();
         if options.roll_back_on.contains(status) {
             return Ok(Finish::RollBack(response));

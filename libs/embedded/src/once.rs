@@ -58,11 +58,7 @@ pub(crate) enum Run<C, B> {
     /// Decided without running the operation: a replay, a mismatch, in progress.
     Answered(Outcome<Infallible>),
     /// The operation ran and committed with its result, kept until `expires_at`.
-    Committed {
-        stored: StoredResponse,
-        expires_at: SystemTime,
-        carry: C,
-    },
+    Committed { expires_at: SystemTime, carry: C },
     /// The operation ran and was rolled back.
     RolledBack(B),
 }
@@ -212,11 +208,7 @@ where
     if !entry.response.body_omitted {
         shared.replays.fill(scope, &entry, left).await;
     }
-    Ok(Run::Committed {
-        stored: entry.response,
-        expires_at,
-        carry,
-    })
+    Ok(Run::Committed { expires_at, carry })
 }
 
 /// What a live record found by the claim comes to. `read`: when the statement that read
@@ -412,13 +404,20 @@ impl Stored {
         serde_json::from_slice(&self.body)
     }
 
-    fn to_stored(&self) -> StoredResponse {
+    /// The record's result: kept whole up to `limit` bytes (`max_response_bytes`), beyond
+    /// it without its body — redeliveries then get [`OnceError::NotKept`].
+    fn to_stored(&self, limit: usize) -> StoredResponse {
         let headers = if self.json {
             vec![("content-type".to_owned(), b"application/json".to_vec())]
         } else {
             Vec::new()
         };
-        StoredResponse::new(self.status, headers, self.body.clone())
+        let mut stored = StoredResponse::new(self.status, headers, self.body.clone());
+        if self.body.len() > limit {
+            stored.body = Bytes::new();
+            stored.body_omitted = true;
+        }
+        stored
     }
 
     fn of(stored: StoredResponse) -> Self {
@@ -466,23 +465,26 @@ pub enum OnceError<E> {
     /// again after `retry_after` (a message left unacknowledged is redelivered).
     #[error("another run of the key is in progress; retry after {retry_after:?}")]
     InProgress { retry_after: Duration },
-    /// The key's operation ran once, but its result was too large to keep.
-    #[error("the key's operation ran, but its result was not kept")]
+    /// The key's operation ran once, but its result was larger than `max_response_bytes`
+    /// and was committed without its body.
+    #[error("the key's operation ran, but its result was too large to keep")]
     NotKept,
     /// The operation failed: everything it wrote was rolled back and the key is free.
     #[error("the operation failed and was rolled back: {0}")]
     Failed(E),
-    /// Postgres could not be used before anything committed: nothing happened.
-    #[error("the idempotency ledger is unavailable; nothing was run")]
+    /// Postgres could not be used, or refused the commit: nothing was kept (the
+    /// operation may have run and been rolled back; what it did outside the transaction
+    /// stays done). The key is free.
+    #[error("the idempotency ledger is unavailable; nothing was kept")]
     Unavailable,
     /// The commit's acknowledgement was lost: it may have committed. A retry finds the
     /// committed record (and replays it), or none (and runs).
     #[error("the commit's outcome is unknown; retry to learn it")]
     OutcomeUnknown,
-    /// Too many large stored results are being read at once; nothing ran.
+    /// Too many large stored results are being read at once; nothing ran. Try again.
     #[error("too many large stored results in flight; nothing was run")]
     Overloaded,
-    /// A defect (the operation kept its `Tx` after returning); nothing was kept.
+    /// A defect (the operation kept its `Tx` after returning): nothing was kept.
     #[error("internal error; nothing was kept")]
     Internal,
 }
@@ -523,11 +525,12 @@ impl Idempotency {
             .map_err(|_| OnceError::Internal)?;
         let span = Span::current();
         let trace_context = propagation::trace_context(&span, &HeaderMap::new());
+        let limit = shared.settings.max_response_bytes;
         let ran = run(shared, &scope, fingerprint, trace_context, |slot, _| {
             let tx = Tx::in_slot(slot);
             async move {
                 Ok(match operation(tx).await {
-                    Ok(stored) => Finish::Commit(stored.to_stored(), ()),
+                    Ok(stored) => Finish::Commit(stored.to_stored(limit), stored),
                     Err(error) => Finish::RollBack(error),
                 })
             }
@@ -535,7 +538,8 @@ impl Idempotency {
         .await
         .map_err(OnceError::of)?;
         match ran {
-            Run::Committed { stored, .. } => Ok(Once::Ran(Stored::of(stored))),
+            // The result as the operation gave it, even if too large to keep.
+            Run::Committed { carry, .. } => Ok(Once::Ran(carry)),
             Run::RolledBack(error) => Err(OnceError::Failed(error)),
             Run::Answered(outcome) => answered(outcome),
         }

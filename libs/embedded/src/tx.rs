@@ -70,6 +70,11 @@ impl Slot {
         Self(Arc::new(Mutex::new(Some(tx))))
     }
 
+    /// Whether the transaction is back in the slot (no `Tx` holds it).
+    pub(crate) fn holds(&self) -> bool {
+        self.0.lock().expect("transaction slot").is_some()
+    }
+
     pub(crate) fn take(&self) -> Option<Transaction<'static, Postgres>> {
         self.0.lock().expect("transaction slot").take()
     }

@@ -18,6 +18,8 @@ struct Consumer {
     idem: Idempotency,
     /// How many times an operation ran (committed or not).
     runs: Arc<AtomicUsize>,
+    /// A permit per operation that has inserted its payment (and holds its claim).
+    inserted: Arc<tokio::sync::Semaphore>,
 }
 
 async fn consumer(options: impl FnOnce(Options<TenantFrom>) -> Options<TenantFrom>) -> Consumer {
@@ -37,6 +39,7 @@ async fn consumer(options: impl FnOnce(Options<TenantFrom>) -> Options<TenantFro
         pool,
         idem,
         runs: Arc::default(),
+        inserted: Arc::new(tokio::sync::Semaphore::new(0)),
     }
 }
 
@@ -78,7 +81,7 @@ impl Consumer {
         hold: Duration,
         decline: bool,
     ) -> Result<Once, OnceError<PayError>> {
-        let runs = self.runs.clone();
+        let (runs, inserted) = (self.runs.clone(), self.inserted.clone());
         let (tenant, key) = (job.tenant().to_owned(), job.key().to_owned());
         idem.once(job, async move |mut tx: Tx| {
             runs.fetch_add(1, Ordering::SeqCst);
@@ -87,6 +90,7 @@ impl Consumer {
                 .bind(&key)
                 .execute(&mut *tx)
                 .await?;
+            inserted.add_permits(1);
             // Real time: the transaction stays open while a duplicate arrives.
             tokio::time::sleep(hold).await;
             if decline {
@@ -99,6 +103,13 @@ impl Consumer {
 
     async fn payments(&self, tenant: &str, key: &str) -> i64 {
         self.db.executions("payments", tenant, key).await
+    }
+
+    /// Waits until an operation has inserted its payment: its claim is held from then on.
+    async fn first_inserted(&self) {
+        self.inserted.acquire().await.unwrap().forget();
+        // Let a second waiter through too.
+        self.inserted.add_permits(1);
     }
 
     fn runs(&self) -> usize {
@@ -214,12 +225,12 @@ async fn a_concurrent_duplicate_waits_for_the_first_and_gets_its_result() {
             false
         ),
         async {
-            tokio::time::sleep(Duration::from_millis(100)).await;
+            c.first_inserted().await;
             c.pay(&c.idem, job("t1", "op-6", 100), Duration::ZERO, false)
                 .await
         },
         async {
-            tokio::time::sleep(Duration::from_millis(100)).await;
+            c.first_inserted().await;
             c.pay(&elsewhere, job("t1", "op-6", 100), Duration::ZERO, false)
                 .await
         },
@@ -244,7 +255,7 @@ async fn a_duplicate_past_lock_wait_is_told_to_come_back() {
             false
         ),
         async {
-            tokio::time::sleep(Duration::from_millis(100)).await;
+            c.first_inserted().await;
             c.pay(&elsewhere, job("t1", "op-7", 100), Duration::ZERO, false)
                 .await
         },
@@ -269,7 +280,7 @@ async fn a_failed_first_lets_its_waiting_duplicate_run() {
             true
         ),
         async {
-            tokio::time::sleep(Duration::from_millis(100)).await;
+            c.first_inserted().await;
             c.pay(&elsewhere, job("t1", "op-8", 100), Duration::ZERO, false)
                 .await
         },
@@ -277,4 +288,26 @@ async fn a_failed_first_lets_its_waiting_duplicate_run() {
     assert!(matches!(first, Err(OnceError::Failed(_))), "{first:?}");
     assert!(matches!(duplicate, Ok(Once::Ran(_))), "{duplicate:?}");
     assert_eq!((c.runs(), c.payments("t1", "op-8").await), (2, 1));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_job_that_keeps_its_tx_commits_nothing() {
+    let c = consumer(|o| o).await;
+    let kept: Arc<std::sync::Mutex<Option<Tx>>> = Arc::default();
+    let keep = kept.clone();
+    let result = c
+        .idem
+        .once(job("t1", "op-9", 100), async move |mut tx: Tx| {
+            sqlx::query("INSERT INTO payments VALUES ('t1', 'op-9', 100)")
+                .execute(&mut *tx)
+                .await?;
+            // A defect of the consumer's: its transaction outlives the operation.
+            *keep.lock().unwrap() = Some(tx);
+            Ok::<_, sqlx::Error>(Stored::new(201, "kept"))
+        })
+        .await;
+    assert!(matches!(result, Err(OnceError::Internal)), "{result:?}");
+    drop(kept.lock().unwrap().take()); // rolls it back
+    assert_eq!(c.payments("t1", "op-9").await, 0);
+    assert_eq!(c.db.ledger_rows("t1").await, 0);
 }

@@ -12,7 +12,7 @@
 //!
 //! Environment: `PAYMENTS_DEMO_CONFIG` (a gateway config file: its `[redis] url` and
 //! `[idempotency]`), `PAYMENTS_DEMO_STREAM` (default `payments`; the records' endpoint is
-//! `stream:<name>`), `PAYMENTS_DEMO_CONSUMER` (default `consumer-<pid>`),
+//! `stream:<name>`), `PAYMENTS_DEMO_CONSUMER` (default `<hostname>-<pid>`),
 //! `PAYMENTS_DEMO_CLAIM_IDLE`.
 
 use std::path::Path;
@@ -37,6 +37,12 @@ const BLOCK: Duration = Duration::from_secs(1);
 
 /// Messages taken per read.
 const BATCH: usize = 32;
+
+/// The most one message may take. Past it the message is left pending (its transaction
+/// rolled back, or its commit's outcome unknown: either way a later delivery replays or
+/// runs it), and this consumer goes on — a commit hung on a lost connection would
+/// otherwise stop it for good.
+const MESSAGE_BUDGET: Duration = Duration::from_secs(30);
 
 /// The consumer's settings, from the environment.
 pub(crate) struct Consumer {
@@ -71,8 +77,12 @@ impl Consumer {
         let redis = redis::Client::open(url.expose_secret())
             .context("PAYMENTS_DEMO_CONFIG's [redis] url")?;
         let stream = std::env::var("PAYMENTS_DEMO_STREAM").unwrap_or_else(|_| "payments".into());
-        let name = std::env::var("PAYMENTS_DEMO_CONSUMER")
-            .unwrap_or_else(|_| format!("consumer-{}", std::process::id()));
+        let name = std::env::var("PAYMENTS_DEMO_CONSUMER").unwrap_or_else(|_| {
+            // Unique across containers whose processes all have pid 1.
+            let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
+                .unwrap_or_else(|_| "consumer".into());
+            format!("{}-{}", host.trim(), std::process::id())
+        });
         let claim_idle = match std::env::var("PAYMENTS_DEMO_CLAIM_IDLE") {
             Ok(text) => humantime::parse_duration(&text)
                 .with_context(|| format!("PAYMENTS_DEMO_CLAIM_IDLE={text:?}: expected e.g. 5s"))?,
@@ -195,20 +205,21 @@ impl Consumer {
             return self.ack(conn, message).await;
         };
         let job = Job::new(&tenant, &self.endpoint, &key, body.as_bytes());
-        let paid = self
-            .idem
-            .once(job, async |mut tx| {
-                let input = Input::parse(PAYMENT, body.as_bytes()).map_err(Refused::Input)?;
-                let id = Uuid::new_v4();
-                input
-                    .insert(&mut *tx, id, &tenant, Some(&key), None)
-                    .await
-                    .map_err(Refused::Db)?;
-                Ok(Stored::json(201, &input.body(id)).expect("a JSON value serialises"))
-            })
-            .await;
+        let pay = self.idem.once(job, async |mut tx| {
+            let input = Input::parse(PAYMENT, body.as_bytes()).map_err(Refused::Input)?;
+            let id = Uuid::new_v4();
+            input
+                .insert(&mut *tx, id, &tenant, Some(&key), None)
+                .await
+                .map_err(Refused::Db)?;
+            Ok(Stored::json(201, &input.body(id)).expect("a JSON value serialises"))
+        });
+        let Ok(paid) = tokio::time::timeout(MESSAGE_BUDGET, pay).await else {
+            tracing::warn!(id = %message.id, %key, "not done within {MESSAGE_BUDGET:?}; left pending");
+            return Ok(());
+        };
         match paid {
-            Ok(Once::Ran(_)) => tracing::debug!(id = %message.id, %key, "paid"),
+            Ok(Once::Ran(_)) => tracing::info!(id = %message.id, %key, "paid"),
             Ok(Once::Replayed(_)) => {
                 tracing::info!(id = %message.id, %key, "already paid: the stored receipt replayed")
             }

@@ -156,7 +156,14 @@ async fn main() -> anyhow::Result<()> {
         Ok("embedded") => embedded::app(pool.clone()).await?,
         Ok("consumer") => {
             let consumer = consumer::Consumer::from_env(pool.clone()).await?;
-            tokio::spawn(consumer.run());
+            tokio::spawn(async move {
+                // It never returns; a panic ends the process, to be restarted like any
+                // crashed consumer (what it left pending is taken over), rather than leave
+                // a process that answers /healthz and consumes nothing.
+                let ended = tokio::spawn(consumer.run()).await;
+                tracing::error!(?ended, "the consumer stopped; exiting");
+                std::process::exit(1);
+            });
             Router::new().route("/healthz", get(|| async { "ok" }))
         }
         Ok(other) => anyhow::bail!(

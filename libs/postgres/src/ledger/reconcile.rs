@@ -16,7 +16,8 @@ use crate::headers;
 /// other reconcilers skip them meanwhile.
 ///
 /// Committed without waiting for a synchronous standby (`synchronous_commit = local`, for
-/// this transaction alone, set only when a row is taken). A take is a courtesy between
+/// this transaction alone, set only when a row is a candidate: every row taken has it,
+/// and a take that found none writes nothing to wait for). A take is a courtesy between
 /// reconcilers, not a result: lost in a failover, the row is simply taken again, and what
 /// the reconcilers then write is fenced by the row's attempt. Waiting, it would hang while
 /// a synchronous standby is away (`synchronous_mode_strict` until the old primary has
