@@ -61,6 +61,25 @@ async fn a_different_payload_is_refused_and_writes_nothing() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_handler_whose_answer_keeps_its_tx_commits_nothing() {
+    // The answer's body holds the Tx and writes through it while it is read: nothing of
+    // it may commit with the answer.
+    let svc = service(|o| o, None).await;
+    let http = Http::default();
+    let leaked = http
+        .pay(&svc.url, "acme", &new_key(), &order(7))
+        .header("x-leak-tx", "1")
+        .send()
+        .await;
+    assert_eq!(leaked.status, StatusCode::INTERNAL_SERVER_ERROR);
+    assert_eq!(
+        (svc.orders().await, svc.records().await),
+        (0, 0),
+        "neither order nor record committed"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_handler_that_fails_after_its_insert_leaves_nothing_and_a_retry_executes_once() {
     let svc = service(|o| o, None).await;
     let http = Http::default();

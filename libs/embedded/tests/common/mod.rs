@@ -24,7 +24,9 @@ pub static RELEASE: tokio::sync::Semaphore = tokio::sync::Semaphore::const_new(0
 /// The test's service: `POST /orders` inserts one order through the request's
 /// transaction; `x-sleep-ms` holds the transaction open that long after the insert;
 /// `x-fail` answers 500 after the insert; `x-pad-kib: N` answers N KiB more;
-/// `x-trickle-kib: N` answers N KiB in 1 KiB chunks, the second half after [`RELEASE`].
+/// `x-trickle-kib: N` answers N KiB in 1 KiB chunks, the second half after [`RELEASE`];
+/// `x-leak-tx` answers with a body that holds the Tx and inserts another order through it
+/// while it is read (a defect of the service's).
 pub struct Service {
     pub url: String,
     pub db_url: String,
@@ -89,6 +91,21 @@ async fn create_order(
             ))
         });
         return (StatusCode::CREATED, Body::from_stream(chunks)).into_response();
+    }
+    if headers.contains_key("x-leak-tx") {
+        let written_while_read = futures_util::stream::unfold(Some(tx), |tx: Option<Tx>| async {
+            let mut tx = tx?;
+            sqlx::query(
+                "INSERT INTO orders (id, tenant_id, idempotency_key, amount) \
+                 VALUES ($1, 'leak', 'leak', 0)",
+            )
+            .bind(Uuid::new_v4())
+            .execute(&mut *tx)
+            .await
+            .expect("insert through the kept Tx");
+            Some((Ok::<_, std::io::Error>(Bytes::from_static(b"leaked")), None))
+        });
+        return (StatusCode::CREATED, Body::from_stream(written_while_read)).into_response();
     }
     if headers.contains_key("x-fail") {
         let problem =
