@@ -162,16 +162,9 @@ where
         let response = inner
             .oneshot_infallible(Request::from_parts(parts, Body::from(body)))
             .await;
-        if !slot.holds() {
-            // The handler moved its Tx somewhere that outlives it (its answer's body, a
-            // task): whatever writes through it meanwhile must not commit with the answer.
-            // The transaction ends (rolls back) when that is dropped.
-            tracing::error!(
-                ?scope,
-                "the handler kept its Tx after answering; its transaction is rolled back"
-            );
-            return Err(Problem::Internal);
-        }
+        // Before the answer's body is read: a body holding the Tx must not write into
+        // the commit.
+        slot.given_back(&scope)?;
         let status = response.status().as_u16();
         if options.roll_back_on.contains(status) {
             return Ok(Finish::RollBack(response));

@@ -146,15 +146,8 @@ where
 
     let slot = Slot::new(tx);
     let finish = operation(slot.clone(), attempt).await?;
-    let Some(mut tx) = slot.take() else {
-        // The operation moved its Tx somewhere that outlives it: the transaction ends
-        // (rolls back) when that is dropped. Nothing can be stored.
-        tracing::error!(
-            ?scope,
-            "the operation kept its Tx after it returned; its transaction is rolled back"
-        );
-        return Err(Problem::Internal);
-    };
+    slot.given_back(scope)?;
+    let mut tx = slot.take().expect("given back: the slot holds it");
     let (stored, carry) = match finish {
         Finish::RollBack(carry) => {
             if let Err(error) = tx.rollback().await {

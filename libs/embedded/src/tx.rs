@@ -12,6 +12,7 @@ use std::sync::{Arc, Mutex};
 use axum::extract::FromRequestParts;
 use axum::response::{IntoResponse, Response};
 use http::request::Parts;
+use idem_core::Scope;
 use idem_http::Problem;
 use sqlx::{PgConnection, Postgres, Transaction};
 
@@ -70,9 +71,19 @@ impl Slot {
         Self(Arc::new(Mutex::new(Some(tx))))
     }
 
-    /// Whether the transaction is back in the slot (no `Tx` holds it).
-    pub(crate) fn holds(&self) -> bool {
-        self.0.lock().expect("transaction slot").is_some()
+    /// Whether the operation (a handler, a job's closure) has given the transaction back:
+    /// its `Tx` dropped. If it moved its `Tx` somewhere that outlives it (an answer's body,
+    /// a task), nothing written through it meanwhile may commit: the run is refused, and
+    /// the transaction ends (rolls back) when that `Tx` is dropped.
+    pub(crate) fn given_back(&self, scope: &Scope) -> Result<(), Problem> {
+        if self.0.lock().expect("transaction slot").is_some() {
+            return Ok(());
+        }
+        tracing::error!(
+            ?scope,
+            "the operation kept its Tx after it returned; its transaction is rolled back"
+        );
+        Err(Problem::Internal)
     }
 
     pub(crate) fn take(&self) -> Option<Transaction<'static, Postgres>> {
