@@ -69,26 +69,40 @@ class ChartTest(unittest.TestCase):
              "tenants": {"config": {"tenants": {"default": {"rate": "500/s", "max_concurrent_requests": 256},
                                                 "acme": {"ttl": "72h", "lease": "1m"}}}},
              "admin": {"admin": {"enabled": True, "tokenSecret": "idemgate-admin"}},
-             "webhooks": {"webhooks": {"secret": "idemgate-webhooks"},
+             "webhooks": {"webhooks": {"secrets": {"stripe": "idemgate-stripe", "billing": "idemgate-billing"}},
                           "config": {"routes": [{"method": "POST", "path": "/webhooks/stripe",
                                                  "upstream": "http://billing.default.svc.cluster.local:9090",
                                                  "idempotent": True,
                                                  "webhook": {"scheme": "stripe", "tenant": "acme",
-                                                             "secret_file": "/etc/idemgate/webhooks/stripe"}}]}}}
+                                                             "secret_file": "/etc/idemgate/webhooks/stripe/secret"}},
+                                                {"method": "POST", "path": "/webhooks/{tenant}/billing",
+                                                 "upstream": "http://billing.default.svc.cluster.local:9090",
+                                                 "idempotent": True, "probe": "GET /events/{key}",
+                                                 "webhook": {"scheme": "standard-webhooks",
+                                                             "secret_dir": "/etc/idemgate/webhooks/billing",
+                                                             "max_unverified": 32}}]}}}
 
     def test_webhook_routes_are_rendered_with_their_secrets_mounted(self):
         docs = render(self.cases["webhooks"])
         config = tomllib.loads(by_kind(docs, "ConfigMap", "idemgate")[0]["data"]["idemgate.toml"])
         self.assertEqual(config["routes"][0]["webhook"],
-                         {"scheme": "stripe", "tenant": "acme", "secret_file": "/etc/idemgate/webhooks/stripe"})
+                         {"scheme": "stripe", "tenant": "acme", "secret_file": "/etc/idemgate/webhooks/stripe/secret"})
         pod = by_kind(docs, "Deployment", "idemgate")[0]["spec"]["template"]["spec"]
         mounts = {m["name"]: m for m in pod["containers"][0]["volumeMounts"]}
-        self.assertEqual(mounts["webhook-secrets"]["mountPath"], "/etc/idemgate/webhooks")
         volumes = {v["name"]: v for v in pod["volumes"]}
-        self.assertEqual(volumes["webhook-secrets"]["secret"]["secretName"], "idemgate-webhooks")
-        # Without webhooks.secret nothing is mounted.
+        # One Secret per route, each in a directory of its own: no file is read by two schemes.
+        for name, secret in [("stripe", "idemgate-stripe"), ("billing", "idemgate-billing")]:
+            self.assertEqual(mounts[f"webhook-{name}"]["mountPath"], f"/etc/idemgate/webhooks/{name}")
+            self.assertEqual(volumes[f"webhook-{name}"]["secret"]["secretName"], secret)
+        self.assertNotIn("webhook-secrets", volumes)
+        # The older form: one Secret mounted whole.
+        pod = by_kind(render({"webhooks": {"secret": "idemgate-webhooks"}}), "Deployment",
+                      "idemgate")[0]["spec"]["template"]["spec"]
+        mounts = {m["name"]: m for m in pod["containers"][0]["volumeMounts"]}
+        self.assertEqual(mounts["webhook-secrets"]["mountPath"], "/etc/idemgate/webhooks")
+        # Without either nothing is mounted.
         pod = by_kind(render({}), "Deployment", "idemgate")[0]["spec"]["template"]["spec"]
-        self.assertNotIn("webhook-secrets", {v["name"] for v in pod["volumes"]})
+        self.assertFalse([v for v in pod["volumes"] if v["name"].startswith("webhook")])
 
     def test_lint_is_clean(self):
         for name, values in self.cases.items():
@@ -302,7 +316,10 @@ class ChartTest(unittest.TestCase):
                 mounted = (config.replace("/etc/idemgate/keys/", f"{tmp}/").replace("/etc/idemgate/admin/", f"{tmp}/")
                            .replace("/etc/idemgate/webhooks/", f"{tmp}/"))
                 if "[routes.webhook]" in config:
-                    (Path(tmp) / "stripe").write_text("whsec_a-stripe-secret\n")
+                    (Path(tmp) / "stripe").mkdir()
+                    (Path(tmp) / "stripe" / "secret").write_text("whsec_a-stripe-secret\n")
+                    (Path(tmp) / "billing").mkdir()
+                    (Path(tmp) / "billing" / "acme").write_text("whsec_aWRlbWdhdGUtY2hhcnQtc2VjcmV0LTAx\n")
                 if "[admin]" in config:
                     (Path(tmp) / "token").write_text("an-admin-token-of-enough-length\n")
                 if "jwks_file" in config:

@@ -44,7 +44,7 @@ pub use idempotency::IdempotencyConfig;
 pub use postgres::PostgresConfig;
 pub use reconciler::ReconcilerConfig;
 pub use redis::RedisConfig;
-pub use routes::{Probe, Route, RouteTable, SecretSource, WEBHOOK_TTL, Webhook};
+pub use routes::{Probe, Route, RouteKind, RouteTable, SecretSource, WEBHOOK_TTL, Webhook};
 pub use server::ServerConfig;
 pub use template::PathTemplate;
 pub use tenants::{Rate, TenantConfig, Tenants};

@@ -26,7 +26,16 @@
 //! | `secret_file` | – | one secret a line, any of them verifies (rotation); with `tenant` |
 //! | `secret_dir` | – | a file per tenant, named by the tenant; with `{tenant}` in the path |
 //! | `tenant` | – | the tenant of every delivery (or `{tenant}` in the path) |
-//! | `tolerance` | `5m` | how far a signed timestamp may be from now, either way |
+//! | `tolerance` | `5m` | how far a signed timestamp may be from now, either way; less than the route's ttl |
+//! | `max_body_bytes` | `262144` | an unverified body's size (413 beyond) |
+//! | `body_read_timeout` | `5s` | how long an unverified body may take to arrive (408 beyond) |
+//! | `max_unverified` | `64` | unverified bodies read at once on the route (503 `overloaded` beyond, on this route only) |
+//!
+//! Until its signature verifies, a delivery holds only one of its route's
+//! `max_unverified` places: no slot of `server.max_concurrent_requests`, no tenant quota.
+//! A webhook route's ttl (its own, else 72 h) is never shortened by a tenant entry, and
+//! its `release_on` defaults to 408, 425, 429 and every 5xx the receiver answered: a
+//! receiver acknowledges with 2xx, and has done nothing when it answers 5xx.
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -83,6 +92,36 @@ pub struct Webhook {
     pub tenant: Option<String>,
     /// How far a signed timestamp may be from now, either way.
     pub tolerance: Duration,
+    /// The most bytes of a body read before its signature is checked.
+    pub max_body_bytes: usize,
+    /// How long a body may take to arrive before its signature is checked.
+    pub body_read_timeout: Duration,
+    /// How many bodies the route reads at once before their signatures are checked.
+    pub max_unverified: usize,
+    /// Whether the route settles an unknown outcome by itself (a `probe`, or an
+    /// `on_unknown` set): otherwise a receiver's timeout holds the event for the operator.
+    pub settles_unknown: bool,
+}
+
+/// What a route is, as a request meets it.
+#[derive(Debug, Clone, Copy)]
+pub enum RouteKind<'a> {
+    /// Proxied as it is: no key, nothing stored.
+    Proxy,
+    /// A client's request, its tenant proved by a token, its key in `Idempotency-Key`.
+    Keyed,
+    /// A provider's delivery, proved by its signature once its body is read.
+    Webhook(&'a Webhook),
+}
+
+impl Route {
+    pub fn kind(&self) -> RouteKind<'_> {
+        match (&self.webhook, self.idempotent) {
+            (Some(webhook), _) => RouteKind::Webhook(webhook),
+            (None, true) => RouteKind::Keyed,
+            (None, false) => RouteKind::Proxy,
+        }
+    }
 }
 
 impl Webhook {
@@ -124,6 +163,16 @@ pub enum SecretSource {
 /// The ttl of a webhook route unless it sets one: providers redeliver for up to three
 /// days.
 pub const WEBHOOK_TTL: Duration = Duration::from_secs(72 * 3600);
+
+/// The statuses a webhook route releases unless it sets `release_on`: HTTP's own (408,
+/// 425, 429) and every 5xx the receiver answered — a receiver acknowledges with 2xx only
+/// after its commit, so its 5xx says it did nothing and the provider's redelivery should
+/// run it again. (A timeout is not an answer: it stays an unknown outcome.)
+pub fn webhook_release_statuses() -> StatusSet {
+    let mut statuses = idem_core::policy::default_release_statuses();
+    statuses.insert(idem_core::policy::StatusEntry::Class(5));
+    statuses
+}
 
 /// A status probe: `GET /payments/by-key/{key}`.
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
@@ -201,14 +250,71 @@ impl RouteTable {
         })
     }
 
-    /// Every webhook route's secrets, readable and of its scheme ([`Webhook::check_secrets`]).
+    /// Every webhook route's secrets, readable and of its scheme ([`Webhook::check_secrets`]),
+    /// and no file read by two schemes: a Stripe route's file in a `{tenant}` Standard
+    /// Webhooks route's directory would be parsed as both, and whichever parse came first
+    /// would refuse the other route's genuine deliveries.
     pub fn check_webhook_secrets(&self) -> Result<(), ConfigError> {
-        for (n, route) in self.routes.iter().enumerate() {
-            if let Some(webhook) = &route.webhook {
-                webhook.check_secrets(&format!("routes[{n}]"))?;
+        let webhooks: Vec<(usize, &Route, &Webhook)> = self
+            .routes
+            .iter()
+            .enumerate()
+            .filter_map(|(n, r)| r.webhook.as_ref().map(|w| (n, r.as_ref(), w)))
+            .collect();
+        for (n, _, webhook) in &webhooks {
+            webhook.check_secrets(&format!("routes[{n}]"))?;
+        }
+        for (i, (m, earlier, a)) in webhooks.iter().enumerate() {
+            for (n, _, b) in &webhooks[i + 1..] {
+                if a.scheme == b.scheme {
+                    continue;
+                }
+                if let Some(shared) = shared_file(&a.secrets, &b.secrets) {
+                    let key = match b.secrets {
+                        SecretSource::File(_) => "secret_file",
+                        SecretSource::Dir(_) => "secret_dir",
+                    };
+                    return Err(ConfigError::new(
+                        format!("routes[{n}].webhook.{key}"),
+                        format!(
+                            "{} would be read as {} secrets here and as {} secrets by routes[{m}] ({}): \
+                             one file, one scheme — give each route a file (or directory) of its own",
+                            shared.display(),
+                            b.scheme,
+                            a.scheme,
+                            earlier.endpoint
+                        ),
+                    ));
+                }
             }
         }
         Ok(())
+    }
+
+    /// What `check-config` and the gateway warn of: webhook routes that keep events
+    /// for less than providers redeliver, or hold a receiver's timeouts with nothing to
+    /// settle them.
+    pub fn warnings(&self) -> Vec<String> {
+        let mut warnings = Vec::new();
+        for route in &self.routes {
+            let Some(webhook) = &route.webhook else {
+                continue;
+            };
+            if route.policy.ttl < WEBHOOK_TTL {
+                warnings.push(format!(
+                    "{}: a webhook route's ttl of {} is shorter than the 72h providers go on redelivering: a redelivery after it executes again",
+                    route.endpoint,
+                    humantime::format_duration(route.policy.ttl)
+                ));
+            }
+            if !webhook.settles_unknown {
+                warnings.push(format!(
+                    "{}: a webhook route with neither `probe` nor `on_unknown`: a receiver that times out holds its event until an operator resolves the key, and every redelivery meanwhile is 409",
+                    route.endpoint
+                ));
+            }
+        }
+        warnings
     }
 
     /// Every stored endpoint a route renames, as a refusal naming both spellings.
@@ -261,8 +367,7 @@ pub(crate) struct RawRoute {
     store_set_cookie: bool,
     probe: Option<Probe>,
     probe_status: Option<u16>,
-    #[serde(default)]
-    on_unknown: OnUnknown,
+    on_unknown: Option<OnUnknown>,
     #[serde(default = "default_max_response_bytes")]
     max_response_bytes: usize,
     webhook: Option<RawWebhook>,
@@ -278,10 +383,50 @@ struct RawWebhook {
     tenant: Option<String>,
     #[serde(default = "default_tolerance", with = "humantime_serde")]
     tolerance: Duration,
+    #[serde(default = "default_webhook_body")]
+    max_body_bytes: usize,
+    #[serde(default = "default_webhook_read", with = "humantime_serde")]
+    body_read_timeout: Duration,
+    #[serde(default = "default_max_unverified")]
+    max_unverified: usize,
 }
 
 fn default_tolerance() -> Duration {
     Duration::from_secs(300)
+}
+fn default_webhook_body() -> usize {
+    256 * 1024
+}
+fn default_webhook_read() -> Duration {
+    Duration::from_secs(5)
+}
+fn default_max_unverified() -> usize {
+    64
+}
+
+/// The file two secret sources could both read, if any: the same file, a file in the
+/// other's directory, or the same directory.
+fn shared_file(a: &SecretSource, b: &SecretSource) -> Option<PathBuf> {
+    use SecretSource::{Dir, File};
+    let same = |x: &std::path::Path, y: &std::path::Path| {
+        x == y
+            || matches!(
+                (x.canonicalize(), y.canonicalize()),
+                (Ok(x), Ok(y)) if x == y
+            )
+    };
+    let in_dir = |file: &std::path::Path, dir: &std::path::Path| {
+        file.parent().is_some_and(|parent| {
+            same(parent, dir)
+                || (parent.as_os_str().is_empty() && same(std::path::Path::new("."), dir))
+        })
+    };
+    match (a, b) {
+        (File(x), File(y)) if same(x, y) => Some(x.clone()),
+        (File(file), Dir(dir)) | (Dir(dir), File(file)) if in_dir(file, dir) => Some(file.clone()),
+        (Dir(x), Dir(y)) if same(x, y) => Some(x.clone()),
+        _ => None,
+    }
 }
 
 impl RawWebhook {
@@ -292,6 +437,7 @@ impl RawWebhook {
         at: &str,
         path: &PathTemplate,
         idempotent: bool,
+        settles_unknown: bool,
     ) -> Result<Webhook, ConfigError> {
         let at = format!("{at}.webhook");
         let scheme: Scheme = self
@@ -306,17 +452,29 @@ impl RawWebhook {
                 "a webhook route deduplicates deliveries: set `idempotent = true` on the route",
             ));
         }
-        if self.tolerance.is_zero() {
-            return Err(ConfigError::new(
-                format!("{at}.tolerance"),
-                "must be more than zero",
-            ));
-        }
+        ConfigError::first_zero([
+            (format!("{at}.tolerance").as_str(), self.tolerance.is_zero()),
+            (
+                format!("{at}.max_body_bytes").as_str(),
+                self.max_body_bytes == 0,
+            ),
+            (
+                format!("{at}.body_read_timeout").as_str(),
+                self.body_read_timeout.is_zero(),
+            ),
+            (
+                format!("{at}.max_unverified").as_str(),
+                self.max_unverified == 0,
+            ),
+        ])?;
         let secrets = match (self.tenant.as_deref(), path.has_param("tenant")) {
-            (Some(""), _) => {
+            (Some(tenant), _) if !idem_auth::valid_tenant(tenant) => {
                 return Err(ConfigError::new(
                     format!("{at}.tenant"),
-                    "must not be empty",
+                    format!(
+                        "{tenant:?} is not a tenant id (1 to {} printable ASCII characters, no spaces): every delivery would be refused",
+                        idem_auth::MAX_TENANT_LEN
+                    ),
                 ));
             }
             (Some(_), true) => {
@@ -355,6 +513,10 @@ impl RawWebhook {
             secrets,
             tenant: self.tenant,
             tolerance: self.tolerance,
+            max_body_bytes: self.max_body_bytes,
+            body_read_timeout: self.body_read_timeout,
+            max_unverified: self.max_unverified,
+            settles_unknown,
         })
     }
 }
@@ -415,26 +577,42 @@ impl RawRoute {
             }
             _ => {}
         }
+        let settles_unknown = self.probe.is_some() || self.on_unknown.is_some();
         let webhook = self
             .webhook
-            .map(|w| w.validate(at, &self.path, self.idempotent))
+            .map(|w| w.validate(at, &self.path, self.idempotent, settles_unknown))
             .transpose()?;
         let base = defaults.policy();
-        let default_ttl = if webhook.is_some() {
-            WEBHOOK_TTL
+        // A provider redelivers for days and takes a receiver's 5xx as "try again".
+        let (default_ttl, default_release) = if webhook.is_some() {
+            (WEBHOOK_TTL, webhook_release_statuses())
         } else {
-            base.ttl
+            (base.ttl, base.release_on)
         };
         let policy = Policy {
             ttl: self.ttl.unwrap_or(default_ttl),
             lease: self.lease.unwrap_or(base.lease),
             on_in_progress: self.on_in_progress.unwrap_or(base.on_in_progress),
             wait_timeout: self.wait_timeout.unwrap_or(base.wait_timeout),
-            release_on: self.release_on.unwrap_or(base.release_on),
+            release_on: self.release_on.unwrap_or(default_release),
             probe: self.probe.is_some(),
         };
         let mismatch_status = self.mismatch_status.unwrap_or(defaults.mismatch_status);
         idempotency::check(at, &policy, mismatch_status)?;
+        if let Some(webhook) = &webhook
+            && webhook.tolerance >= policy.ttl
+        {
+            // A delivery signed long enough ago to outlive its key could be replayed by
+            // whoever captured it, and would execute again.
+            return Err(ConfigError::new(
+                format!("{at}.webhook.tolerance"),
+                format!(
+                    "{} must be shorter than the route's ttl ({}): a captured delivery replayed after its key expired would still verify, and execute again",
+                    humantime::format_duration(webhook.tolerance),
+                    humantime::format_duration(policy.ttl)
+                ),
+            ));
+        }
         if self.idempotent && self.timeout + ledger_op >= policy.lease {
             return Err(ConfigError::new(
                 format!("{at}.timeout"),
@@ -460,7 +638,7 @@ impl RawRoute {
             store_set_cookie: self.store_set_cookie,
             probe: self.probe,
             probe_status: self.probe_status,
-            on_unknown: self.on_unknown,
+            on_unknown: self.on_unknown.unwrap_or_default(),
             webhook,
         })
     }

@@ -5,7 +5,7 @@
 //!
 //! | key | default | meaning |
 //! | --- | --- | --- |
-//! | `tenants.<id>.ttl`, `lease`, `wait_timeout` | the route's | the tenant's own policy, on every route |
+//! | `tenants.<id>.ttl`, `lease`, `wait_timeout` | the route's | the tenant's own policy, on every route (but a webhook route's ttl: providers redeliver for as long as it) |
 //! | `tenants.<id>.max_body_bytes` | `server.max_body_bytes` | larger request bodies get 413 |
 //! | `tenants.<id>.rate` | unlimited | `"500/s"` (also `/m`, `/h`, or a duration: `"50/100ms"`): a token bucket per tenant, per replica; over it, 429 `tenant-rate-limited` |
 //! | `tenants.<id>.burst` | one second of `rate` (at least 1) | requests the bucket holds |
@@ -42,13 +42,19 @@ pub struct TenantConfig {
 }
 
 impl TenantConfig {
-    /// A route's policy for this tenant: the tenant's keys over the route's.
-    pub fn policy(&self, route: &Policy) -> Policy {
+    /// A route's policy for this tenant: the tenant's keys over the route's — except a
+    /// webhook route's ttl, which is as long as its provider redelivers: a tenant's
+    /// shorter one would execute a late redelivery again.
+    pub fn policy(&self, route: &Route) -> Policy {
+        let ttl = match route.webhook {
+            Some(_) => route.policy.ttl,
+            None => self.ttl.unwrap_or(route.policy.ttl),
+        };
         Policy {
-            ttl: self.ttl.unwrap_or(route.ttl),
-            lease: self.lease.unwrap_or(route.lease),
-            wait_timeout: self.wait_timeout.unwrap_or(route.wait_timeout),
-            ..route.clone()
+            ttl,
+            lease: self.lease.unwrap_or(route.policy.lease),
+            wait_timeout: self.wait_timeout.unwrap_or(route.policy.wait_timeout),
+            ..route.policy.clone()
         }
     }
 
@@ -179,7 +185,7 @@ pub(crate) fn check_routes(
             continue;
         }
         for (i, route) in routes.iter().enumerate().filter(|(_, r)| r.idempotent) {
-            let policy = entry.policy(&route.policy);
+            let policy = entry.policy(route);
             idempotency::check(&at, &policy, route.mismatch_status).map_err(|e| {
                 ConfigError::new(
                     e.key,

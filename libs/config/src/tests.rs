@@ -336,23 +336,20 @@ fn a_tenants_policy_wins_over_the_routes_and_quotas_come_from_the_default() {
     let route = &config.routes.routes()[0];
     assert_eq!(route.policy.ttl, Duration::from_secs(3600));
     let acme = config.tenants.get("acme");
-    assert_eq!(
-        acme.policy(&route.policy).ttl,
-        Duration::from_secs(72 * 3600)
-    );
-    assert_eq!(acme.policy(&route.policy).lease, route.policy.lease);
+    assert_eq!(acme.policy(route).ttl, Duration::from_secs(72 * 3600));
+    assert_eq!(acme.policy(route).lease, route.policy.lease);
     assert_eq!(acme.max_body_bytes, Some(4096));
     assert_eq!(acme.max_concurrent_requests, Some(256), "from the default");
     assert_eq!(acme.burst().unwrap().get(), 500);
     // A tenant without an entry: the default's quotas, the route's policy.
     let other = config.tenants.get("initech");
-    assert_eq!(other.policy(&route.policy).ttl, Duration::from_secs(3600));
+    assert_eq!(other.policy(route).ttl, Duration::from_secs(3600));
     assert_eq!(other.rate, acme.rate);
     assert_eq!(
         config
             .tenants
             .get("globex.example")
-            .policy(&route.policy)
+            .policy(route)
             .wait_timeout,
         Duration::from_secs(1)
     );
@@ -455,6 +452,7 @@ fn secret_file(name: &str, text: &str) -> std::path::PathBuf {
     let dir = std::env::temp_dir().join(format!("idem-config-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let path = dir.join(name);
+    std::fs::create_dir_all(path.parent().unwrap()).unwrap();
     std::fs::write(&path, text).unwrap();
     path
 }
@@ -581,4 +579,118 @@ fn a_webhook_route_that_could_verify_nothing_or_names_no_tenant_is_refused() {
     )
     .replace("idempotent = true", "idempotent = false");
     assert_eq!(error_key(&plain), "routes[0].webhook");
+}
+
+/// DESIGN §17.1, "a webhook route never loses an event": the route's ttl is the one that
+/// counts, its tolerance stays under it, and a receiver's 5xx is released.
+#[test]
+fn a_webhook_routes_ttl_and_release_rules_are_its_own() {
+    let file = secret_file(
+        "rules.secret",
+        "whsec_aWRlbWdhdGUtY29uZmlnLXRlc3Qtc2VjcmV0\n",
+    );
+    let section = format!(
+        "scheme = \"standard-webhooks\"\nsecret_file = {:?}\ntenant = \"acme\"",
+        file.display().to_string()
+    );
+    let config = with(&format!(
+        "{ROUTE}\n{}\n[tenants.default]\nttl = \"1h\"\n[tenants.acme]\nttl = \"40m\"",
+        webhook_route("/webhooks/billing", &section)
+    ))
+    .unwrap();
+    let [payments, webhook] = config.routes.routes() else {
+        panic!("two routes")
+    };
+    for tenant in ["acme", "initech"] {
+        let rules = config.tenants.get(tenant);
+        assert_eq!(rules.policy(webhook).ttl, crate::WEBHOOK_TTL, "{tenant}");
+        assert!(rules.policy(payments).ttl <= Duration::from_secs(3600));
+    }
+    assert_eq!(
+        config.tenants.get("acme").policy(payments).ttl,
+        Duration::from_secs(2400)
+    );
+    for status in [500, 502, 503, 504, 599, 408, 425, 429] {
+        assert!(webhook.policy.release_on.contains(status), "{status}");
+    }
+    assert!(!webhook.policy.release_on.contains(200));
+    assert!(
+        !payments.policy.release_on.contains(500),
+        "API routes keep 5xx"
+    );
+    let Some(w) = &webhook.webhook else { panic!() };
+    assert_eq!(
+        (w.max_body_bytes, w.body_read_timeout, w.max_unverified),
+        (262_144, Duration::from_secs(5), 64)
+    );
+    // Neither a probe nor on_unknown: warned of, as is a ttl under 72h.
+    let warnings = config.routes.warnings();
+    assert_eq!(warnings.len(), 1, "{warnings:?}");
+    assert!(warnings[0].contains("on_unknown"), "{warnings:?}");
+    let short = webhook_route("/webhooks/billing", &section).replace(
+        "idempotent = true",
+        "idempotent = true\nttl = \"1h\"\non_unknown = \"hold\"",
+    );
+    let warnings = with(&short).unwrap().routes.warnings();
+    assert_eq!(warnings.len(), 1, "{warnings:?}");
+    assert!(warnings[0].contains("shorter than the 72h"), "{warnings:?}");
+
+    // A tolerance at or above the ttl, a bad tenant id, a zero bound: refused.
+    let cases = [
+        (
+            section.clone() + "\ntolerance = \"100h\"",
+            "routes[0].webhook.tolerance",
+        ),
+        (
+            section.replace("acme", "acme corp"),
+            "routes[0].webhook.tenant",
+        ),
+        (
+            section.clone() + "\nmax_unverified = 0",
+            "routes[0].webhook.max_unverified",
+        ),
+        (
+            section.clone() + "\nmax_body_bytes = 0",
+            "routes[0].webhook.max_body_bytes",
+        ),
+    ];
+    for (section, key) in cases {
+        assert_eq!(error_key(&webhook_route("/w", &section)), key, "{section}");
+    }
+    let at_ttl = webhook_route("/w", &(section.clone() + "\ntolerance = \"1h\""))
+        .replace("idempotent = true", "idempotent = true\nttl = \"1h\"");
+    assert_eq!(error_key(&at_ttl), "routes[0].webhook.tolerance");
+}
+
+#[test]
+fn a_secrets_file_read_by_two_schemes_is_refused() {
+    let stripe = secret_file("stripe", "whsec_stripe_test_secret_0123\n");
+    let dir = stripe.parent().unwrap().display().to_string();
+    let stripe = stripe.display().to_string();
+    let tenant_dir = webhook_route(
+        "/webhooks/{tenant}/billing",
+        &format!("scheme = \"standard-webhooks\"\nsecret_dir = {dir:?}"),
+    );
+    let stripe_route = webhook_route(
+        "/webhooks/stripe",
+        &format!("scheme = \"stripe\"\nsecret_file = {stripe:?}\ntenant = \"acme\""),
+    );
+    let clash = with(&format!("{tenant_dir}\n{stripe_route}")).unwrap();
+    let refused = clash.routes.check_webhook_secrets().unwrap_err();
+    assert_eq!(refused.key, "routes[1].webhook.secret_file");
+    assert!(refused.message.contains("standard-webhooks"), "{refused}");
+    // The same file, by two routes of the same scheme, is fine; so is a file of its own.
+    let same_scheme = stripe_route.replace("/webhooks/stripe", "/webhooks/stripe-too");
+    with(&format!("{stripe_route}\n{same_scheme}"))
+        .unwrap()
+        .routes
+        .check_webhook_secrets()
+        .unwrap();
+    let own = secret_file("own/stripe", "whsec_stripe_test_secret_0123\n");
+    let apart = stripe_route.replace(&stripe, &own.display().to_string());
+    with(&format!("{tenant_dir}\n{apart}"))
+        .unwrap()
+        .routes
+        .check_webhook_secrets()
+        .unwrap();
 }

@@ -210,6 +210,21 @@ impl RawAnswer {
     pub fn says_close(&self) -> bool {
         self.head.lines().any(|l| l == "connection: close")
     }
+
+    /// The status code of the answer's first line (0 if it has none).
+    pub fn status(&self) -> u16 {
+        self.head
+            .split(' ')
+            .nth(1)
+            .and_then(|s| s.parse().ok())
+            .unwrap_or(0)
+    }
+}
+
+impl std::fmt::Debug for RawAnswer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}{}", self.head, String::from_utf8_lossy(&self.body))
+    }
 }
 
 /// Reads one answer whose body has a `content-length` off a raw connection.

@@ -140,6 +140,16 @@ impl Route {
         self.set("webhook", Value::Table(table))
     }
 
+    /// Sets one key of the route's `[routes.webhook]` section (after [`Route::webhook`]).
+    pub fn webhook_set(mut self, key: &str, value: impl Into<Value>) -> Self {
+        self.0
+            .get_mut("webhook")
+            .and_then(Value::as_table_mut)
+            .expect("Route::webhook first")
+            .insert(key.to_owned(), value.into());
+        self
+    }
+
     /// With the payments service's status probe.
     pub fn probed(self) -> Self {
         self.set("probe", PROBE)

@@ -35,7 +35,7 @@ use subtle::ConstantTimeEq;
 type HmacSha256 = Hmac<Sha256>;
 
 /// How a provider signs its deliveries.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Scheme {
     /// The Standard Webhooks specification (Svix and the providers that follow it).
     StandardWebhooks,

@@ -60,6 +60,9 @@ impl Application {
         }
         // A webhook route whose secrets cannot be read would refuse every delivery.
         config.routes.check_webhook_secrets()?;
+        for warning in config.routes.warnings() {
+            tracing::warn!("{warning}");
+        }
         let key_refresh = auth.start().map(tokio_util::task::AbortOnDropHandle::new);
         idem_telemetry::prometheus(); // record from the first request on
         metrics::describe();
@@ -117,6 +120,7 @@ impl Application {
             health::watch_readiness(ledger.clone(), postgres_ready.clone()),
         ));
         let tenants = TenantTable::new(&config.tenants, &config.routes, server.max_body_bytes);
+        let webhooks = Arc::new(crate::webhook::Receivers::new(&config.routes));
         let state = AppState {
             auth,
             tenants,
@@ -136,7 +140,7 @@ impl Application {
             tasks: TaskTracker::new(),
             fenced: Default::default(),
             unrecorded: Default::default(),
-            webhook_secrets: Default::default(),
+            webhooks,
             key_refresh,
             postgres_ready,
             readiness,
@@ -256,7 +260,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         // metrics and the log line around the request itself.
         .fallback(handler::handle.layer(axum::middleware::from_fn(observe::observe)))
         .layer(axum::middleware::from_fn_with_state(
-            state.limits.clone(),
+            state.clone(),
             limits::enforce,
         ))
         .with_state(state)

@@ -1,7 +1,7 @@
-//! Reading a request: the extractors [`Tenant`], [`Matched`] and [`Key`] (run by axum
-//! in that order, before the handler); the key header and the body are read by
-//! `idem_http::request`, as in embedded mode. Every failure is a [`Problem`] and nothing
-//! is claimed.
+//! Reading a request: the extractors [`Caller`] (or [`Tenant`]), [`Matched`] and [`Key`]
+//! (run by axum in that order, before the handler); the key header and the body are read
+//! by `idem_http::request`, as in embedded mode. Every failure is a [`Problem`] and
+//! nothing is claimed.
 
 use std::sync::Arc;
 
@@ -16,8 +16,28 @@ use tracing::Span;
 use crate::problem::Problem;
 use crate::state::AppState;
 
-/// The tenant the bearer token proves (401 without one); on a webhook route, the
-/// route's tenant (its signature is checked once the body is read: [`crate::webhook`]).
+/// Who sent a request, as far as is known before its body is read: the tenant a bearer
+/// token proves, or — on a webhook route — nobody yet: a delivery is proved by its
+/// signature, which is checked once its body is read ([`crate::webhook`]).
+#[derive(Debug, Clone)]
+pub enum Caller {
+    Token(String),
+    Unverified,
+}
+
+impl FromRequestParts<Arc<AppState>> for Caller {
+    type Rejection = Problem;
+
+    async fn from_request_parts(parts: &mut Parts, app: &Arc<AppState>) -> Result<Self, Problem> {
+        if Matched::webhook(parts, app) {
+            return Ok(Self::Unverified);
+        }
+        let Tenant(tenant) = Tenant::from_request_parts(parts, app).await?;
+        Ok(Self::Token(tenant))
+    }
+}
+
+/// The tenant the bearer token proves (401 without one).
 #[derive(Debug, Clone)]
 pub struct Tenant(pub String);
 
@@ -25,16 +45,6 @@ impl FromRequestParts<Arc<AppState>> for Tenant {
     type Rejection = Problem;
 
     async fn from_request_parts(parts: &mut Parts, app: &Arc<AppState>) -> Result<Self, Problem> {
-        // Never on idemgate's own paths (a `{tenant}` template could match one): the
-        // lookup API takes its tenant from a token only.
-        if !parts.uri.path().starts_with(idem_config::routes::RESERVED)
-            && let Some(Matched(route)) = Matched::of(parts, app)
-            && let Some(webhook) = &route.webhook
-        {
-            let tenant = crate::webhook::tenant(&route, webhook, parts.uri.path())?;
-            Span::current().record("tenant.id", tenant.as_str());
-            return Ok(Self(tenant));
-        }
         let token = bearer(&parts.headers).map_err(Problem::Unauthorized)?;
         let tenant = app
             .auth
@@ -60,17 +70,37 @@ impl FromRequestParts<Arc<AppState>> for Matched {
 }
 
 impl Matched {
-    /// The request's route, matched once (by [`Tenant`], which must know whether it is a
-    /// webhook route, or here) and kept in the request's extensions.
+    /// The request's route, matched once (by the limits in front of every route, which
+    /// must know a webhook route, or here) and kept in the request's extensions.
     fn of(parts: &mut Parts, app: &AppState) -> Option<Self> {
-        if let Some(matched) = parts.extensions.get::<Self>() {
+        let matched = Self::find(app, &parts.method, &parts.uri, &mut parts.extensions)?;
+        // Here, inside the request's span (the limits run before it opens).
+        Span::current().record("idempotency.endpoint", matched.0.endpoint.as_str());
+        Some(matched)
+    }
+
+    pub fn find(
+        app: &AppState,
+        method: &http::Method,
+        uri: &http::Uri,
+        extensions: &mut http::Extensions,
+    ) -> Option<Self> {
+        if let Some(matched) = extensions.get::<Self>() {
             return Some(matched.clone());
         }
-        let route = app.routes.find(&parts.method, parts.uri.path())?;
-        Span::current().record("idempotency.endpoint", route.endpoint.as_str());
+        let route = app.routes.find(method, uri.path())?;
         let matched = Self(route.clone());
-        parts.extensions.insert(matched.clone());
+        extensions.insert(matched.clone());
         Some(matched)
+    }
+
+    /// Whether the request is for a webhook route — never on idemgate's own paths (a
+    /// `{tenant}` template could match one): the lookup API takes its tenant from a token
+    /// only.
+    pub fn webhook(parts: &mut Parts, app: &AppState) -> bool {
+        !parts.uri.path().starts_with(idem_config::routes::RESERVED)
+            && Self::find(app, &parts.method, &parts.uri, &mut parts.extensions)
+                .is_some_and(|Matched(route)| route.webhook.is_some())
     }
 }
 
@@ -86,7 +116,7 @@ impl FromRequestParts<Arc<AppState>> for Key {
 
     async fn from_request_parts(parts: &mut Parts, app: &Arc<AppState>) -> Result<Self, Problem> {
         let Matched(route) = Matched::from_request_parts(parts, app).await?;
-        if !route.idempotent || route.webhook.is_some() {
+        if !matches!(route.kind(), idem_config::RouteKind::Keyed) {
             return Ok(Self(None));
         }
         match idempotency_key(&parts.headers).map_err(Problem::KeyInvalid)? {

@@ -1,18 +1,31 @@
-//! One request, top to bottom: extract (tenant, route, key — axum's extractors —
-//! then body, fingerprint and preferences) → the engine (or a plain proxy on a route
-//! that is not idempotent) → the response. It runs inside the `idemgate.request` span
-//! of [`crate::observe`], which also counts it and logs it.
+//! One request, top to bottom, in named phases (as pingora names a request's):
+//!
+//! 1. **admit** — what the request may hold before anyone knows what it is: a client's
+//!    token has proved its tenant (axum's extractors, before the handler), so its
+//!    tenant's quota is spent and the global slot the limits gave it is kept; a webhook
+//!    delivery is nobody's yet, and holds one of its route's unverified places only.
+//! 2. **read** — the body, within the tenant's limits, or the webhook route's own.
+//! 3. **identify** — who the request is for and which operation: the client's key
+//!    header; a delivery's signature (off the request threads), then, proved, the slot
+//!    and the quota a client took at admission.
+//! 4. **run** — the engine (or a plain proxy on a route without a key), in a task of its
+//!    own so that a client hanging up never cuts a forward-and-store in half.
+//! 5. **respond** — the engine's outcome as the client's (or provider's) answer.
+//!
+//! It runs inside the `idemgate.request` span of [`crate::observe`], which also counts it
+//! and logs it.
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
+use axum::body::Body;
 use axum::extract::{Request, State};
 use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
 use http::request::Parts;
 use http_body_util::Full;
-use idem_config::Route;
+use idem_config::{Route, RouteKind};
 use idem_core::headers as h;
 use idem_core::{Attempt, AttemptId, Execution, IdempotencyKey, Outcome, Scope, UnknownCause};
 use idem_telemetry::metrics::{gauge, histogram};
@@ -22,80 +35,169 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, Span};
 
-use crate::extract::{Key, Matched, Tenant, read_body};
+use crate::extract::{Caller, Key, Matched, read_body};
 use crate::limits::Slot;
 use crate::observe::{self, Endpoint};
 use crate::problem::Problem;
 use crate::respond::{passthrough, respond};
 use crate::state::AppState;
+use crate::tenants::TenantPermit;
+use crate::webhook::Place;
 
-/// Tenant, route and key are extracted before this runs; a rejection is the
+/// The caller, route and key header are extracted before this runs; a rejection is the
 /// [`Problem`]'s response. Every answer from here on names the route's endpoint.
 pub async fn handle(
     State(app): State<Arc<AppState>>,
-    Tenant(tenant): Tenant,
+    caller: Caller,
     Matched(route): Matched,
     key: Result<Key, Problem>,
     request: Request,
 ) -> Response {
     let endpoint = Endpoint(route.endpoint.clone());
-    let mut response = serve(app, tenant, route, key, request)
+    let mut response = serve(app, caller, route, key, request)
         .await
         .into_response();
     response.extensions_mut().insert(endpoint);
     response
 }
 
+/// The phases, in order.
 async fn serve(
     app: Arc<AppState>,
-    tenant: String,
+    caller: Caller,
     route: Arc<Route>,
     key: Result<Key, Problem>,
     request: Request,
 ) -> Result<Response, Problem> {
-    // Extract.
-    let Key(key) = key?;
-    // The tenant's quotas, before anything is read or claimed; its place among its
-    // requests in flight goes with the work, as the slot does. A webhook delivery is
-    // admitted once its signature has proved its sender (below), as a token proves a
-    // client's before this: unsigned requests never spend a tenant's quota.
-    let mut tenant_permit = if route.webhook.is_some() {
-        None
-    } else {
-        app.tenants.admit(&tenant)?.map(Arc::new)
+    let admitted = admit(&app, caller, &route, key, &request)?;
+    let (parts, body) = request.into_parts();
+    let body = read(&app, &admitted, &route, &parts, body).await?;
+    let identified = identify(&app, admitted, &route, &parts, &body).await?;
+    run(app, route, identified, parts, body).await
+}
+
+/// What a request holds while it runs, given back when the last of its work ends: its
+/// slot of `server.max_concurrent_requests`, its place among its tenant's requests.
+#[derive(Clone)]
+struct Holds {
+    slot: Option<Slot>,
+    /// Held, never read: dropping it gives the place back.
+    #[allow(dead_code)]
+    tenant: Option<Arc<TenantPermit>>,
+}
+
+/// A request let in: a client proved by its token, or a delivery not yet verified.
+enum Admitted {
+    Client {
+        tenant: String,
+        key: Option<IdempotencyKey>,
+        holds: Holds,
+    },
+    /// Holds its route's place for an unverified body, and nothing else.
+    Unverified { place: Place },
+}
+
+/// Who the request is for and which operation it is, proved.
+struct Identified {
+    tenant: String,
+    key: Option<IdempotencyKey>,
+    holds: Holds,
+}
+
+/// Phase 1: a client's key header and tenant quota; a delivery's place on its route.
+fn admit(
+    app: &AppState,
+    caller: Caller,
+    route: &Route,
+    key: Result<Key, Problem>,
+    request: &Request,
+) -> Result<Admitted, Problem> {
+    match caller {
+        Caller::Token(tenant) => {
+            let Key(key) = key?;
+            // Before anything is read or claimed; its place among its tenant's requests
+            // goes with the work, as the slot does.
+            let permit = app.tenants.admit(&tenant)?.map(Arc::new);
+            let holds = Holds {
+                slot: request.extensions().get::<Slot>().cloned(),
+                tenant: permit,
+            };
+            Ok(Admitted::Client { tenant, key, holds })
+        }
+        Caller::Unverified => Ok(Admitted::Unverified {
+            place: app.webhooks.admit(route)?,
+        }),
+    }
+}
+
+/// Phase 2: the body, within the tenant's limit — or, unverified, the webhook route's.
+async fn read(
+    app: &AppState,
+    admitted: &Admitted,
+    route: &Route,
+    parts: &Parts,
+    body: Body,
+) -> Result<Bytes, Problem> {
+    let (limit, timeout) = match (admitted, route.kind()) {
+        (Admitted::Unverified { .. }, RouteKind::Webhook(webhook)) => {
+            (webhook.max_body_bytes, webhook.body_read_timeout)
+        }
+        (Admitted::Client { tenant, .. }, _) => (
+            app.tenants.rules(tenant).max_body_bytes,
+            app.body_read_timeout,
+        ),
+        (Admitted::Unverified { .. }, _) => return Err(Problem::Internal),
     };
-    let rules = app.tenants.rules(&tenant);
-    let policy = rules
-        .policy(&route.endpoint)
-        .cloned()
-        .unwrap_or_else(|| Arc::new(route.policy.clone()));
-    // This request's slot (see [`crate::limits`]): the work it starts holds a clone, so
-    // a client that hangs up frees it only once that work has ended.
-    let slot = request.extensions().get::<Slot>().cloned();
+    read_body(body, &parts.headers, limit, timeout).await
+}
+
+/// Phase 3: a delivery's signature, and then what a client took at admission: the slot
+/// and the tenant's quota. A delivery that does not verify is 401, holding nothing.
+async fn identify(
+    app: &AppState,
+    admitted: Admitted,
+    route: &Arc<Route>,
+    parts: &Parts,
+    body: &Bytes,
+) -> Result<Identified, Problem> {
+    match admitted {
+        Admitted::Client { tenant, key, holds } => Ok(Identified { tenant, key, holds }),
+        Admitted::Unverified { place } => {
+            let delivery = app
+                .webhooks
+                .verify(route, parts.uri.path(), &parts.headers, body)
+                .await?;
+            drop(place);
+            let span = Span::current();
+            span.record("tenant.id", delivery.tenant.as_str());
+            span.record("idempotency.key", delivery.key.as_str());
+            let slot = Slot::take(&app.limits)?;
+            let permit = app.tenants.admit(&delivery.tenant)?.map(Arc::new);
+            Ok(Identified {
+                tenant: delivery.tenant,
+                key: Some(delivery.key),
+                holds: Holds {
+                    slot: Some(slot),
+                    tenant: permit,
+                },
+            })
+        }
+    }
+}
+
+/// Phases 4 and 5: the engine (or a plain proxy), then the answer.
+async fn run(
+    app: Arc<AppState>,
+    route: Arc<Route>,
+    identified: Identified,
+    parts: Parts,
+    body: Bytes,
+) -> Result<Response, Problem> {
+    let Identified { tenant, key, holds } = identified;
     // Cancelled when this handler ends or is dropped (its client hung up): a wait for
     // another attempt stops then; an execution and its completion do not.
     let gone = CancellationToken::new();
     let _gone_on_drop = gone.clone().drop_guard();
-    let (parts, body) = request.into_parts();
-    let body = read_body(
-        body,
-        &parts.headers,
-        rules.max_body_bytes,
-        app.body_read_timeout,
-    )
-    .await?;
-    // A webhook's key is its verified delivery's: nothing is claimed for one that does
-    // not verify.
-    let key = match &route.webhook {
-        Some(webhook) => {
-            let key =
-                crate::webhook::verify(&app.webhook_secrets, webhook, &tenant, &parts, &body)?;
-            tenant_permit = app.tenants.admit(&tenant)?.map(Arc::new);
-            Span::current().record("idempotency.key", key.as_str());
-            Some(key)
-        }
-        None => key,
-    };
     // Continued only if it is a valid W3C value; anything else starts a new trace.
     let client_trace = propagation::client_traceparent(&parts.headers);
     let Some(key) = key else {
@@ -113,23 +215,31 @@ async fn serve(
         };
         return Ok((axum::Extension(observe::OutcomeLabel("proxied")), response).into_response());
     };
-    let fingerprint = if route.webhook.is_some() {
+    let policy = app
+        .tenants
+        .rules(&tenant)
+        .policy(&route.endpoint)
+        .cloned()
+        .unwrap_or_else(|| Arc::new(route.policy.clone()));
+    let fingerprint = match route.kind() {
         // The raw body, the one thing signed: a provider's redeliveries carry the same
         // bytes (the route's template stands for the unsigned path and query).
-        app.fingerprints
+        RouteKind::Webhook(_) => app
+            .fingerprints
             .compute(
                 parts.method.as_str(),
                 route.template.as_str(),
                 idem_core::BodyKind::Raw,
                 &body,
-                slot.clone(),
+                holds.slot.clone(),
             )
             .await
-            .map_err(|_| Problem::Internal)?
-    } else {
-        app.fingerprints
-            .of_request(&parts, &body, slot.clone())
-            .await?
+            .map_err(|_| Problem::Internal)?,
+        RouteKind::Keyed | RouteKind::Proxy => {
+            app.fingerprints
+                .of_request(&parts, &body, holds.slot.clone())
+                .await?
+        }
     };
     let wait = policy.wait_for(h::preferred_wait(&parts.headers));
     let scope = Scope::new(tenant.clone(), route.endpoint.clone(), key.clone());
@@ -137,8 +247,7 @@ async fn serve(
     // Stored with the claim, so retries can link to this execution's span.
     let trace_context = propagation::traceparent(&span).or_else(|| client_trace.clone());
 
-    // The engine. A completed response held in this process answers without I/O and
-    // without a task.
+    // A completed response held in this process answers without I/O and without a task.
     let peeked = app.engine.peek(idem_core::Request {
         scope: &scope,
         fingerprint: &fingerprint,
@@ -158,7 +267,7 @@ async fn serve(
                 .clone()
                 .spawn(
                     async move {
-                        let _slots = (slot, tenant_permit);
+                        let _holds = holds;
                         let request = idem_core::Request {
                             scope: &scope,
                             fingerprint: &fingerprint,

@@ -7,6 +7,11 @@
 //! A request's slot goes with it as a [`Slot`] in its extensions; the work it starts
 //! (the engine's task, a fingerprint on the blocking pool) holds a clone, so the slot is
 //! free again only when all of it has ended, whether or not the client stayed.
+//!
+//! A delivery to a webhook route takes its slot only once its signature has verified
+//! ([`Slot::take`]): until then anyone may be sending it, and it holds one of its route's
+//! own places instead ([`crate::webhook::Receivers::admit`]), so unsigned senders can
+//! never take the slots other routes and tenants are served in.
 
 use std::sync::Arc;
 
@@ -16,7 +21,9 @@ use axum::response::{IntoResponse, Response};
 use idem_telemetry::metrics::counter;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
+use crate::extract::Matched;
 use crate::problem::Problem;
+use crate::state::AppState;
 
 /// What the middleware holds to.
 #[derive(Debug)]
@@ -33,6 +40,21 @@ pub struct RequestLimits {
 #[derive(Debug, Clone)]
 pub struct Slot {
     _permit: Arc<OwnedSemaphorePermit>,
+}
+
+impl Slot {
+    /// A slot taken after the middleware (a webhook delivery, once verified): 503
+    /// `overloaded` when none is free, as the middleware answers.
+    pub fn take(limits: &RequestLimits) -> Result<Self, Problem> {
+        let permit = limits
+            .in_flight
+            .clone()
+            .try_acquire_owned()
+            .map_err(|_| Problem::Overloaded)?;
+        Ok(Self {
+            _permit: Arc::new(permit),
+        })
+    }
 }
 
 impl RequestLimits {
@@ -87,25 +109,24 @@ fn exempt(path: &str) -> bool {
     matches!(path, "/healthz" | "/readyz" | "/metrics")
 }
 
-pub async fn enforce(
-    State(limits): State<Arc<RequestLimits>>,
-    request: Request,
-    next: Next,
-) -> Response {
+pub async fn enforce(State(app): State<Arc<AppState>>, request: Request, next: Next) -> Response {
+    let limits = &app.limits;
     if let Some(why) = limits.head_refusal(&request) {
         return refuse(Problem::HeadersTooLarge(why));
     }
     if exempt(request.uri().path()) {
         return next.run(request).await;
     }
-    let Ok(permit) = limits.in_flight.clone().try_acquire_owned() else {
-        return refuse(Problem::Overloaded);
+    let (mut parts, body) = request.into_parts();
+    if Matched::webhook(&mut parts, &app) {
+        return next.run(Request::from_parts(parts, body)).await;
+    }
+    let slot = match Slot::take(limits) {
+        Ok(slot) => slot,
+        Err(problem) => return refuse(problem),
     };
-    let mut request = request;
-    request.extensions_mut().insert(Slot {
-        _permit: Arc::new(permit),
-    });
-    next.run(request).await
+    parts.extensions.insert(slot);
+    next.run(Request::from_parts(parts, body)).await
 }
 
 fn refuse(problem: Problem) -> Response {

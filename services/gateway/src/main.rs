@@ -260,14 +260,8 @@ async fn run(command: Command) -> anyhow::Result<()> {
                 eprintln!("warning: {warning}");
             }
             config.routes.check_webhook_secrets()?;
-            for route in config.routes.routes() {
-                if route.webhook.is_some() && route.policy.ttl < idem_config::WEBHOOK_TTL {
-                    eprintln!(
-                        "warning: {}: a webhook route's ttl of {} is shorter than the 72h providers go on redelivering: a redelivery after it executes again",
-                        route.endpoint,
-                        humantime::format_duration(route.policy.ttl)
-                    );
-                }
+            for warning in config.routes.warnings() {
+                eprintln!("warning: {warning}");
             }
             config.admin.token()?;
             // Against the ledger when it can be reached: a route must not rename an

@@ -79,7 +79,7 @@ pub fn describe(info: &KeyInfo) -> String {
     let response = match (info.response_status, info.response_bytes) {
         (Some(status), _) if info.response_omitted => {
             format!(
-                "{status}, body not stored (over the route's max_response_bytes); retries get 410"
+                "{status}, body not stored (over the route's max_response_bytes); retries get 410 (a webhook route's redeliveries: a 2xx with no body)"
             )
         }
         (Some(status), Some(bytes)) => format!("{status}, {bytes} bytes"),

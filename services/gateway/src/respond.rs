@@ -6,8 +6,8 @@ use std::time::Duration;
 use axum::body::Body;
 use axum::response::Response;
 use idem_config::Route;
-use idem_core::Outcome;
 use idem_core::headers as h;
+use idem_core::{Outcome, StoredResponse};
 use idem_upstream::{ResponseBody, UpstreamResponse};
 
 pub fn respond(
@@ -15,7 +15,42 @@ pub fn respond(
     route: &Route,
     wait: Option<Duration>,
 ) -> Response {
+    let outcome = match (&route.webhook, outcome) {
+        (
+            Some(_),
+            Outcome::Replayed {
+                response,
+                trace_context,
+                waited,
+                expires_at,
+            },
+        ) if response.body_omitted => Outcome::Replayed {
+            response: acknowledged(response),
+            trace_context,
+            waited,
+            expires_at,
+        },
+        (_, outcome) => outcome,
+    };
     idem_http::answer(outcome, route.mismatch_status, wait, passthrough)
+}
+
+/// A provider's redelivery of an event whose first answer was too large to keep: the
+/// first answer's status when it was 2xx (else 200) and no body. Never the 410 an API
+/// client gets: senders disable endpoints that answer 410 (Standard Webhooks), and the
+/// event was handled, once.
+fn acknowledged(first: StoredResponse) -> StoredResponse {
+    let status = if (200..300).contains(&first.status) {
+        first.status
+    } else {
+        200
+    };
+    let headers = first
+        .headers
+        .into_iter()
+        .filter(|(name, _)| name != "content-type")
+        .collect();
+    StoredResponse::new(status, headers, bytes::Bytes::new())
 }
 
 /// The first execution's answer, as the upstream sent it (hop-by-hop removed); a body

@@ -38,8 +38,9 @@ pub struct AppState {
     pub fenced: AtomicU64,
     /// Executions whose answer could not be recorded (503 `outcome-unrecorded`).
     pub unrecorded: AtomicU64,
-    /// The webhook routes' secrets, read again when their files change.
-    pub webhook_secrets: crate::webhook::SecretFiles,
+    /// The webhook routes' places for unverified bodies and their secrets, read again
+    /// when their files change.
+    pub webhooks: Arc<crate::webhook::Receivers>,
     /// Fetches and refreshes an identity provider's keys, for as long as the state lives.
     pub key_refresh: Option<AbortOnDropHandle<()>>,
     /// Whether a writable Postgres answered lately: refreshed in the background.

@@ -44,12 +44,7 @@ impl TenantRules {
         let policies = routes
             .routes()
             .iter()
-            .map(|route| {
-                (
-                    route.endpoint.clone(),
-                    Arc::new(entry.policy(&route.policy)),
-                )
-            })
+            .map(|route| (route.endpoint.clone(), Arc::new(entry.policy(route))))
             .collect();
         let quota = entry.rate.map(|rate| {
             let burst = entry.burst().unwrap_or(NonZeroU32::MIN);

@@ -3,41 +3,154 @@
 //! provider's event id. A delivery that does not verify is 401
 //! `webhook-signature-invalid`, counted by reason, and nothing is claimed.
 //!
+//! Anyone may send to a webhook URL, so until its signature has verified a delivery is
+//! nobody's: it holds one of its route's `max_unverified` places ([`Receivers::admit`])
+//! and nothing else — no slot of `server.max_concurrent_requests`, no tenant quota — and
+//! its body is bounded by the route's own `max_body_bytes` and `body_read_timeout`. The
+//! secrets file is read and the MAC computed on the blocking pool, never on the threads
+//! that serve requests.
+//!
 //! Secrets are read from their file when first needed and again whenever the file
-//! changes (its length or modification time), so a secret is rotated by editing the file:
-//! no restart. A file that cannot be read or holds no secret verifies nothing.
+//! changes (its inode, length, modification or change time), so a secret is rotated by
+//! editing the file: no restart. A parse is kept per file *and scheme*. A file that
+//! cannot be read or holds no secret verifies nothing.
+//!
+//! A `{tenant}` route answers a tenant without a secrets file exactly as it answers a bad
+//! signature: after the body, with one MAC computed (under a secret nobody has), so
+//! neither the status nor the time tells which tenants exist.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::SystemTime;
 
-use http::request::Parts;
-use idem_config::{Route, SecretSource, Webhook};
+use bytes::Bytes;
+use http::HeaderMap;
+use idem_config::{Route, RouteTable, SecretSource, Webhook};
 use idem_core::IdempotencyKey;
 use idem_telemetry::metrics::counter;
-use idem_webhooks::{Rejection, Secrets};
+use idem_webhooks::{Rejection, Scheme, Secrets};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use crate::problem::Problem;
 
-/// The tenant of a delivery to a webhook route: the route's own, or its path's `{tenant}`
-/// — one that has a secrets file: a `{tenant}` without one is refused here, before its
-/// quota or anything else of a tenant is touched, so unsigned requests to made-up
-/// tenants leave nothing behind.
-pub fn tenant(route: &Route, webhook: &Webhook, path: &str) -> Result<String, Problem> {
+/// What the webhook routes share: each one's places for unverified bodies, and the
+/// secrets files as last read.
+#[derive(Debug)]
+pub struct Receivers {
+    /// Each webhook route's `max_unverified` places, by endpoint.
+    places: HashMap<String, Arc<Semaphore>>,
+    files: SecretFiles,
+    /// A secret no sender has: what a delivery for a tenant without secrets is checked
+    /// against, so it costs what a bad signature costs.
+    decoy: Arc<Secrets>,
+}
+
+/// One unverified body's place on its route, given back when dropped.
+#[derive(Debug)]
+pub struct Place(#[allow(dead_code)] OwnedSemaphorePermit);
+
+/// A delivery whose signature verified: who it is for and which operation it is.
+#[derive(Debug)]
+pub struct Delivery {
+    pub tenant: String,
+    pub key: IdempotencyKey,
+}
+
+impl Receivers {
+    pub fn new(routes: &RouteTable) -> Self {
+        let places = routes
+            .routes()
+            .iter()
+            .filter_map(|route| {
+                let webhook = route.webhook.as_ref()?;
+                let places = Arc::new(Semaphore::new(webhook.max_unverified));
+                Some((route.endpoint.clone(), places))
+            })
+            .collect();
+        let decoy = format!(
+            "{}{}",
+            uuid::Uuid::new_v4().simple(),
+            uuid::Uuid::new_v4().simple()
+        );
+        let decoy = Secrets::parse(Scheme::Github, &decoy).expect("64 characters are a secret");
+        Self {
+            places,
+            files: SecretFiles::default(),
+            decoy: Arc::new(decoy),
+        }
+    }
+
+    /// One of `route`'s places for an unverified body; beyond its `max_unverified`, 503
+    /// `overloaded` on this route only.
+    pub fn admit(&self, route: &Route) -> Result<Place, Problem> {
+        let places = self.places.get(&route.endpoint).ok_or(Problem::Internal)?;
+        match places.clone().try_acquire_owned() {
+            Ok(permit) => Ok(Place(permit)),
+            Err(_) => {
+                counter!("idemgate_webhooks_rejected_total", "reason" => "overloaded").increment(1);
+                Err(Problem::Overloaded)
+            }
+        }
+    }
+
+    /// Verifies a delivery to `route` at `path` (its signature over `body` by one of its
+    /// tenant's secrets) on the blocking pool, and returns its tenant and key: 401 when
+    /// it does not verify (a tenant without secrets included), 400 when a verified
+    /// delivery names no key.
+    pub async fn verify(
+        self: &Arc<Self>,
+        route: &Arc<Route>,
+        path: &str,
+        headers: &HeaderMap,
+        body: &Bytes,
+    ) -> Result<Delivery, Problem> {
+        let webhook = route.webhook.as_ref().ok_or(Problem::Internal)?;
+        let tenant = claimed_tenant(route, webhook, path);
+        let (receivers, route, headers, body) =
+            (self.clone(), route.clone(), headers.clone(), body.clone());
+        let verified = tokio::task::spawn_blocking(move || {
+            let webhook = route.webhook.as_ref().expect("a webhook route");
+            let secrets = tenant
+                .as_deref()
+                .and_then(|tenant| receivers.files.secrets(webhook, tenant));
+            let known = secrets.is_some();
+            let secrets = secrets.unwrap_or_else(|| receivers.decoy.clone());
+            let verified = idem_webhooks::verify(
+                webhook.scheme,
+                &secrets,
+                &headers,
+                &body,
+                SystemTime::now(),
+                webhook.tolerance,
+            );
+            match (verified, tenant) {
+                (Ok(verified), Some(tenant)) if known => Ok((tenant, verified.key)),
+                (Err(rejection), _) => Err(rejection),
+                // Only a secret nobody has could have made it.
+                _ => Err(Rejection::Invalid),
+            }
+        })
+        .await
+        .map_err(|_| Problem::Internal)?;
+        let (tenant, key) = verified.map_err(rejected)?;
+        let key = key.ok_or(Problem::KeyMissing)?;
+        let key = IdempotencyKey::parse(key.as_bytes())
+            .map_err(|e| Problem::KeyInvalid(idem_http::problem::KeyHeaderError::Invalid(e)))?;
+        Ok(Delivery { tenant, key })
+    }
+}
+
+/// The tenant a delivery to a webhook route is for, if the route's own or its path's
+/// `{tenant}` can be one. Only its secrets prove it.
+fn claimed_tenant(route: &Route, webhook: &Webhook, path: &str) -> Option<String> {
     let tenant = match &webhook.tenant {
         Some(tenant) => Some(tenant.as_str()),
         None => route.template.param(path, "tenant"),
     };
-    let tenant = tenant
+    tenant
         .filter(|t| idem_auth::valid_tenant(t))
-        .ok_or(Problem::RouteNotFound)?;
-    if let SecretSource::Dir(dir) = &webhook.secrets
-        && !dir.join(tenant).is_file()
-    {
-        return Err(rejected(Rejection::Invalid));
-    }
-    Ok(tenant.to_owned())
+        .map(str::to_owned)
 }
 
 /// A refused delivery, counted by its reason.
@@ -49,10 +162,11 @@ fn rejected(rejection: Rejection) -> Problem {
     }
 }
 
-/// The secrets files of the webhook routes, each as last read.
+/// The secrets files of the webhook routes, each as last read for each scheme that
+/// reads it.
 #[derive(Debug, Default)]
 pub struct SecretFiles {
-    files: Mutex<HashMap<PathBuf, Loaded>>,
+    files: Mutex<HashMap<(PathBuf, Scheme), Loaded>>,
 }
 
 #[derive(Debug, Clone)]
@@ -81,6 +195,7 @@ fn seen(path: &Path) -> Option<Seen> {
 
 impl SecretFiles {
     /// The secrets `webhook` verifies `tenant`'s deliveries with, if its file has any.
+    /// Blocking: a `stat`, and a read when the file changed.
     fn secrets(&self, webhook: &Webhook, tenant: &str) -> Option<Arc<Secrets>> {
         let path = match &webhook.secrets {
             SecretSource::File(file) => file.clone(),
@@ -89,15 +204,16 @@ impl SecretFiles {
         };
         // No file, no secrets — and nothing remembered of it.
         let seen = seen(&path)?;
+        let at = (path, webhook.scheme);
         let mut files = self.files.lock().expect("secret files");
-        if let Some(loaded) = files.get(&path)
+        if let Some(loaded) = files.get(&at)
             && loaded.seen == seen
         {
             return loaded.secrets.clone();
         }
-        let secrets = read(&path, webhook);
+        let secrets = read(&at.0, webhook.scheme);
         files.insert(
-            path,
+            at,
             Loaded {
                 seen,
                 secrets: secrets.clone(),
@@ -107,46 +223,63 @@ impl SecretFiles {
     }
 }
 
-fn read(path: &Path, webhook: &Webhook) -> Option<Arc<Secrets>> {
+fn read(path: &Path, scheme: Scheme) -> Option<Arc<Secrets>> {
     let parsed = std::fs::read_to_string(path)
         .map_err(|e| e.to_string())
-        .and_then(|text| Secrets::parse(webhook.scheme, &text).map_err(|e| e.to_string()));
+        .and_then(|text| Secrets::parse(scheme, &text).map_err(|e| e.to_string()));
     match parsed {
         Ok(secrets) => {
-            tracing::info!(file = %path.display(), secrets = secrets.len(), "webhook secrets read");
+            tracing::info!(file = %path.display(), %scheme, secrets = secrets.len(), "webhook secrets read");
             Some(Arc::new(secrets))
         }
         Err(error) => {
-            tracing::warn!(file = %path.display(), %error, "webhook secrets unusable: deliveries are refused");
+            tracing::warn!(file = %path.display(), %scheme, %error, "webhook secrets unusable: deliveries are refused");
             None
         }
     }
 }
 
-/// Verifies a delivery's signature and returns its key (400 when a verified delivery
-/// names none); 401 and nothing claimed when it does not verify.
-pub fn verify(
-    files: &SecretFiles,
-    webhook: &Webhook,
-    tenant: &str,
-    parts: &Parts,
-    body: &[u8],
-) -> Result<IdempotencyKey, Problem> {
-    let verified = files
-        .secrets(webhook, tenant)
-        .ok_or(Rejection::Invalid)
-        .and_then(|secrets| {
-            idem_webhooks::verify(
-                webhook.scheme,
-                &secrets,
-                &parts.headers,
-                body,
-                SystemTime::now(),
-                webhook.tolerance,
-            )
-        });
-    let verified = verified.map_err(rejected)?;
-    let key = verified.key.ok_or(Problem::KeyMissing)?;
-    IdempotencyKey::parse(key.as_bytes())
-        .map_err(|e| Problem::KeyInvalid(idem_http::problem::KeyHeaderError::Invalid(e)))
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+
+    fn webhook(scheme: Scheme, file: &Path) -> Webhook {
+        Webhook {
+            scheme,
+            secrets: SecretSource::File(file.to_owned()),
+            tenant: Some("acme".into()),
+            tolerance: Duration::from_secs(300),
+            max_body_bytes: 1024,
+            body_read_timeout: Duration::from_secs(1),
+            max_unverified: 1,
+            settles_unknown: false,
+        }
+    }
+
+    /// One file read by two schemes is parsed once for each: the parse that fails for
+    /// one scheme never stands for the other's. (Kept by file alone, a Standard Webhooks
+    /// read of a Stripe secret made the Stripe route refuse every genuine delivery.)
+    #[test]
+    fn a_file_is_parsed_once_per_scheme() {
+        let dir = std::env::temp_dir().join(format!("idem-secrets-{}", uuid::Uuid::new_v4()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("stripe");
+        std::fs::write(&file, "whsec_not*base64*but-a-stripe-secret\n").unwrap();
+        let files = SecretFiles::default();
+        assert!(
+            files
+                .secrets(&webhook(Scheme::StandardWebhooks, &file), "acme")
+                .is_none(),
+            "not base64: no Standard Webhooks secret"
+        );
+        assert!(
+            files
+                .secrets(&webhook(Scheme::Stripe, &file), "acme")
+                .is_some(),
+            "still a Stripe secret"
+        );
+        std::fs::remove_dir_all(&dir).ok();
+    }
 }

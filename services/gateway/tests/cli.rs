@@ -227,7 +227,8 @@ fn check_config_refuses_plain_http_to_a_provider_and_warns_without_an_audience()
 }
 
 /// `check-config` reads a webhook route's secrets (a file that cannot be read verifies
-/// nothing) and warns when its ttl is shorter than the 72 h providers redeliver for.
+/// nothing) and warns when its ttl is shorter than the 72 h providers redeliver for, or
+/// when nothing but an operator settles a receiver's timeout.
 #[test]
 fn check_config_reads_webhook_secrets_and_warns_of_a_short_ttl() {
     let dir =
@@ -239,6 +240,7 @@ fn check_config_reads_webhook_secrets_and_warns_of_a_short_ttl() {
         good().route(
             Route::idempotent("POST", "/webhooks/billing", "http://127.0.0.1:9090")
                 .set("ttl", ttl)
+                .set("on_unknown", "hold")
                 .webhook(&[
                     ("scheme", "standard-webhooks"),
                     ("secret_file", file),
@@ -254,6 +256,15 @@ fn check_config_reads_webhook_secrets_and_warns_of_a_short_ttl() {
     assert!(ok, "{stderr}");
     assert!(
         stderr.contains("warning: POST /webhooks/billing") && stderr.contains("72h"),
+        "{stderr}"
+    );
+    let unsettled = route(&file, "72h")
+        .toml()
+        .replace("on_unknown = \"hold\"\n", "");
+    let (ok, _, stderr) = idemgate(&["check-config"], &unsettled);
+    assert!(ok, "{stderr}");
+    assert!(
+        stderr.contains("neither `probe` nor `on_unknown`"),
         "{stderr}"
     );
     let missing = dir.join("nope").display().to_string();
