@@ -15,7 +15,7 @@
 //! | `on_unknown` | `"hold"` | or `"release-after:10m"`: what the reconciler does without a probe |
 //! | `max_response_bytes` | `10485760` | larger responses are not stored; retries get 410 |
 //!
-//! `[routes.webhook]` (DESIGN §17.1) makes an idempotent route a provider's webhook
+//! `[routes.webhook]` ([docs/webhooks.md](../../../docs/webhooks.md)) makes an idempotent route a provider's webhook
 //! endpoint: the key is the provider's event id, the sender is authenticated by its
 //! signature instead of a token, and the tenant comes from the route. Its `ttl` defaults
 //! to 72 hours, as long as providers go on redelivering.
@@ -219,8 +219,13 @@ impl RouteTable {
         &self.routes
     }
 
-    /// The route for a method and concrete path, if any.
+    /// The route for a method and concrete path, if any. Nothing under [`RESERVED`]
+    /// is a route's, whatever its template could match (`/{tenant}/events` would match
+    /// `/_idemgate/events`): those paths are idemgate's own.
     pub fn find(&self, method: &Method, path: &str) -> Option<&Arc<Route>> {
+        if path.starts_with(RESERVED) {
+            return None;
+        }
         self.routes
             .iter()
             .find(|r| r.method == *method && r.template.matches(path))

@@ -440,7 +440,7 @@ fn the_admin_api_is_off_by_default_and_needs_a_token_file_of_a_long_token() {
     );
 }
 
-/// A webhook route as DESIGN §17.1 writes it, over a secrets file of the test's own.
+/// A webhook route as docs/webhooks.md writes it, over a secrets file of the test's own.
 fn webhook_route(path: &str, section: &str) -> String {
     format!(
         "[[routes]]\nmethod = \"POST\"\npath = \"{path}\"\nupstream = \"http://127.0.0.1:9090\"\n\
@@ -581,7 +581,7 @@ fn a_webhook_route_that_could_verify_nothing_or_names_no_tenant_is_refused() {
     assert_eq!(error_key(&plain), "routes[0].webhook");
 }
 
-/// DESIGN §17.1, "a webhook route never loses an event": the route's ttl is the one that
+/// docs/webhooks.md, "what your receiver must do": the route's ttl is the one that
 /// counts, its tolerance stays under it, and a receiver's 5xx is released.
 #[test]
 fn a_webhook_routes_ttl_and_release_rules_are_its_own() {

@@ -131,7 +131,7 @@ impl Route {
         self
     }
 
-    /// With a `[routes.webhook]` section of these keys (DESIGN §17.1).
+    /// With a `[routes.webhook]` section of these keys (docs/webhooks.md).
     pub fn webhook(self, keys: &[(&str, &str)]) -> Self {
         let table: Table = keys
             .iter()

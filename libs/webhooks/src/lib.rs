@@ -1,5 +1,5 @@
 //! `idem-webhooks`: a webhook's sender authenticated by its signature, and the key of the
-//! delivery (DESIGN §17.1). Providers retry deliveries for days and sign each one afresh;
+//! delivery (docs/webhooks.md). Providers retry deliveries for days and sign each one afresh;
 //! the signature says who sent it, the provider's event id says which operation it is.
 //!
 //! | scheme | key | signed content | signature |
@@ -152,6 +152,15 @@ impl Secrets {
 
     pub fn len(&self) -> usize {
         self.0.len()
+    }
+
+    /// These secrets and, while there are fewer than `at_least`, `pad`'s after them:
+    /// secrets nobody signs with verify nothing, but cost a check what a real one costs,
+    /// so how long a check takes says nothing of how many secrets a file holds.
+    pub fn padded(mut self, pad: &Secrets, at_least: usize) -> Self {
+        let missing = at_least.saturating_sub(self.0.len());
+        self.0.extend(pad.0.iter().take(missing).cloned());
+        self
     }
 
     pub fn is_empty(&self) -> bool {

@@ -94,13 +94,11 @@ impl Matched {
         Some(matched)
     }
 
-    /// Whether the request is for a webhook route — never on idemgate's own paths (a
-    /// `{tenant}` template could match one): the lookup API takes its tenant from a token
-    /// only.
+    /// Whether the request is for a webhook route (never one of idemgate's own paths,
+    /// which match no route: the lookup API takes its tenant from a token only).
     pub fn webhook(parts: &mut Parts, app: &AppState) -> bool {
-        !parts.uri.path().starts_with(idem_config::routes::RESERVED)
-            && Self::find(app, &parts.method, &parts.uri, &mut parts.extensions)
-                .is_some_and(|Matched(route)| route.webhook.is_some())
+        Self::find(app, &parts.method, &parts.uri, &mut parts.extensions)
+            .is_some_and(|Matched(route)| route.webhook.is_some())
     }
 }
 

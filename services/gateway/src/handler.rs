@@ -165,9 +165,8 @@ async fn identify(
         Admitted::Unverified { place } => {
             let delivery = app
                 .webhooks
-                .verify(route, parts.uri.path(), &parts.headers, body)
+                .verify(place, route, parts.uri.path(), &parts.headers, body)
                 .await?;
-            drop(place);
             let span = Span::current();
             span.record("tenant.id", delivery.tenant.as_str());
             span.record("idempotency.key", delivery.key.as_str());

@@ -7,8 +7,11 @@
 //!   import it, it imports none of them).
 //! - [`health`]: `/healthz`, and `/readyz` from a background check.
 //! - [`metrics`]: the catalogue of exported metrics, and `/metrics`.
-//! - [`handler`]: one request: extract → engine → respond.
-//! - [`extract`]: the extractors (tenant, matched route, key), the body and `Prefer: wait`.
+//! - [`handler`]: one request, in named phases: admit → read → identify → run → respond.
+//! - [`extract`]: the extractors (the caller — a token's tenant, or a webhook delivery not
+//!   yet verified — the matched route, the key header) and the body.
+//! - [`webhook`]: webhook routes: unverified bodies bounded per route, signatures checked
+//!   off the request threads, secrets re-read when their files change.
 //! - [`observe`]: the `idemgate.request` span, request metrics and log line, as a layer.
 //! - [`respond`]: an engine outcome as the client's response.
 //! - [`problem`]: every error response, as `application/problem+json` (in `idem-http`,
@@ -24,8 +27,9 @@
 //! - [`openapi`]: the OpenAPI 3.1 document of both, generated from their handlers.
 //! - [`tenants`]: each tenant's policy, body limit and quotas (429 over them).
 //!
-//! Configuration and routes live in `idem-config`, the upstream client and header rules
-//! in `idem-upstream`, both shared with the reconciler.
+//! Configuration and routes live in `idem-config` and the upstream client in
+//! `idem-upstream`, both shared with the reconciler; the header rules of the HTTP
+//! contract in `idem-core` (`headers`), shared with embedded mode.
 #![forbid(unsafe_code)]
 
 pub mod admin;

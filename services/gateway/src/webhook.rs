@@ -1,4 +1,4 @@
-//! Webhook routes (DESIGN §17.1): a provider's delivery authenticated by its signature
+//! Webhook routes (docs/webhooks.md): a provider's delivery authenticated by its signature
 //! (`idem_webhooks`) instead of a token, its tenant named by the route, its key the
 //! provider's event id. A delivery that does not verify is 401
 //! `webhook-signature-invalid`, counted by reason, and nothing is claimed.
@@ -16,8 +16,9 @@
 //! cannot be read or holds no secret verifies nothing.
 //!
 //! A `{tenant}` route answers a tenant without a secrets file exactly as it answers a bad
-//! signature: after the body, with one MAC computed (under a secret nobody has), so
-//! neither the status nor the time tells which tenants exist.
+//! signature: after the body, with as many MACs computed (under secrets nobody has) as a
+//! tenant's check computes — every file is padded to [`MACS`] — so neither the status nor
+//! the time tells which tenants exist.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -46,6 +47,11 @@ pub struct Receivers {
     decoy: Arc<Secrets>,
 }
 
+/// How many MACs a delivery's check computes at the least: a file of one secret is padded
+/// with secrets nobody has up to this, so a tenant with one secret, one mid-rotation with
+/// two, and a tenant without a file (checked against [`MACS`] of them) cost the same.
+const MACS: usize = 2;
+
 /// One unverified body's place on its route, given back when dropped.
 #[derive(Debug)]
 pub struct Place(#[allow(dead_code)] OwnedSemaphorePermit);
@@ -68,16 +74,19 @@ impl Receivers {
                 Some((route.endpoint.clone(), places))
             })
             .collect();
-        let decoy = format!(
-            "{}{}",
-            uuid::Uuid::new_v4().simple(),
-            uuid::Uuid::new_v4().simple()
-        );
-        let decoy = Secrets::parse(Scheme::Github, &decoy).expect("64 characters are a secret");
+        let decoy = (0..MACS)
+            .map(|_| uuid::Uuid::new_v4().simple().to_string())
+            .collect::<Vec<_>>()
+            .join("\n");
+        let decoy = Secrets::parse(Scheme::Github, &decoy).expect("32 characters are a secret");
+        let decoy = Arc::new(decoy);
         Self {
             places,
-            files: SecretFiles::default(),
-            decoy: Arc::new(decoy),
+            files: SecretFiles {
+                files: Mutex::default(),
+                pad: decoy.clone(),
+            },
+            decoy,
         }
     }
 
@@ -85,21 +94,21 @@ impl Receivers {
     /// `overloaded` on this route only.
     pub fn admit(&self, route: &Route) -> Result<Place, Problem> {
         let places = self.places.get(&route.endpoint).ok_or(Problem::Internal)?;
+        // Counted as every refusal is, in idemgate_requests_total{outcome="overloaded"}.
         match places.clone().try_acquire_owned() {
             Ok(permit) => Ok(Place(permit)),
-            Err(_) => {
-                counter!("idemgate_webhooks_rejected_total", "reason" => "overloaded").increment(1);
-                Err(Problem::Overloaded)
-            }
+            Err(_) => Err(Problem::Overloaded),
         }
     }
 
     /// Verifies a delivery to `route` at `path` (its signature over `body` by one of its
     /// tenant's secrets) on the blocking pool, and returns its tenant and key: 401 when
     /// it does not verify (a tenant without secrets included), 400 when a verified
-    /// delivery names no key.
+    /// delivery names no key. The delivery's `place` goes with the work, so a sender that
+    /// hangs up mid-check frees it only once the check has ended.
     pub async fn verify(
         self: &Arc<Self>,
+        place: Place,
         route: &Arc<Route>,
         path: &str,
         headers: &HeaderMap,
@@ -110,6 +119,7 @@ impl Receivers {
         let (receivers, route, headers, body) =
             (self.clone(), route.clone(), headers.clone(), body.clone());
         let verified = tokio::task::spawn_blocking(move || {
+            let _place = place;
             let webhook = route.webhook.as_ref().expect("a webhook route");
             let secrets = tenant
                 .as_deref()
@@ -164,9 +174,11 @@ fn rejected(rejection: Rejection) -> Problem {
 
 /// The secrets files of the webhook routes, each as last read for each scheme that
 /// reads it.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct SecretFiles {
     files: Mutex<HashMap<(PathBuf, Scheme), Loaded>>,
+    /// Secrets nobody has, that pad a file's up to [`MACS`].
+    pad: Arc<Secrets>,
 }
 
 #[derive(Debug, Clone)]
@@ -211,7 +223,7 @@ impl SecretFiles {
         {
             return loaded.secrets.clone();
         }
-        let secrets = read(&at.0, webhook.scheme);
+        let secrets = read(&at.0, webhook.scheme).map(|s| Arc::new(s.padded(&self.pad, MACS)));
         files.insert(
             at,
             Loaded {
@@ -223,14 +235,14 @@ impl SecretFiles {
     }
 }
 
-fn read(path: &Path, scheme: Scheme) -> Option<Arc<Secrets>> {
+fn read(path: &Path, scheme: Scheme) -> Option<Secrets> {
     let parsed = std::fs::read_to_string(path)
         .map_err(|e| e.to_string())
         .and_then(|text| Secrets::parse(scheme, &text).map_err(|e| e.to_string()));
     match parsed {
         Ok(secrets) => {
             tracing::info!(file = %path.display(), %scheme, secrets = secrets.len(), "webhook secrets read");
-            Some(Arc::new(secrets))
+            Some(secrets)
         }
         Err(error) => {
             tracing::warn!(file = %path.display(), %scheme, %error, "webhook secrets unusable: deliveries are refused");
@@ -267,7 +279,7 @@ mod tests {
         std::fs::create_dir_all(&dir).unwrap();
         let file = dir.join("stripe");
         std::fs::write(&file, "whsec_not*base64*but-a-stripe-secret\n").unwrap();
-        let files = SecretFiles::default();
+        let files = Receivers::new(&RouteTable::default()).files;
         assert!(
             files
                 .secrets(&webhook(Scheme::StandardWebhooks, &file), "acme")

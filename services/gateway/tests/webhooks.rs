@@ -1,4 +1,4 @@
-//! Webhook routes (DESIGN §17.1) through real HTTP against a gateway process and real
+//! Webhook routes (docs/webhooks.md) through real HTTP against a gateway process and real
 //! Postgres, each delivery signed the way its sender signs it (`webhooks/sign.py`: the
 //! Standard Webhooks library from PyPI; Stripe's and GitHub's formats as their docs
 //! compute them).
@@ -519,6 +519,45 @@ async fn idemgates_own_paths_never_take_a_webhook_routes_tenant() {
     assert_eq!(lookup.problem(), "unauthorized");
 }
 
+/// Any other path under idemgate's own is no route's either, whoever asks: a token does
+/// not reach a webhook route's receiver unsigned there. (Found in review of 1c4f8d1: a
+/// `{tenant}` webhook template matched `/_idemgate/events`, and a request with a token
+/// was proxied to the receiver without a signature — "left: 201, right: 404".)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idemgates_own_paths_are_no_routes() {
+    let db = TestDb::create().await;
+    let upstream = TestUpstream::start().await;
+    let dir = secrets_dir(&[("_idemgate", STANDARD_SECRET)]);
+    let gw = gateway(
+        &db,
+        &upstream,
+        "/{tenant}/events",
+        &[
+            ("scheme", "standard-webhooks"),
+            ("secret_dir", &dir.display().to_string()),
+        ],
+    )
+    .await;
+    let http = Http::default();
+    let tokened = http
+        .post(&gw.url("/_idemgate/events"))
+        .tenant("acme")
+        .json("{}")
+        .send()
+        .await;
+    assert_eq!(tokened.status, StatusCode::NOT_FOUND, "{:?}", tokened.body);
+    let body = r#"{"type":"invoice.paid"}"#;
+    let signed = deliver(
+        &http,
+        &gw.url("/_idemgate/events"),
+        &signed("standard-webhooks", STANDARD_SECRET, &msg_id(), now(), body),
+        body,
+    )
+    .await;
+    assert_ne!(signed.status.as_u16() / 100, 2, "{:?}", signed.body);
+    assert_eq!(upstream.calls(), 0);
+}
+
 /// A delivery spends its tenant's quota once its signature has proved its sender, as a
 /// client's request does once its token has: a flood of unsigned requests is refused 401
 /// and leaves the tenant's real deliveries their quota. (On 8efe06f the quota was spent
@@ -568,7 +607,7 @@ async fn unsigned_requests_never_spend_the_tenants_quota() {
     assert_eq!(next.problem(), "tenant-rate-limited", "{:?}", next.body);
 }
 
-// ---- A webhook route never loses an event (DESIGN §17.1) ----
+// ---- A webhook route never loses an event (docs/webhooks.md) ----
 
 /// Opens a connection that sends a delivery's head to `path` and the first byte of a
 /// `length`-byte body, then nothing more: an unsigned sender trickling its body.

@@ -1,4 +1,4 @@
-//! Consumer mode (`PAYMENTS_DEMO_MODE=consumer`, DESIGN §17.2): payment commands from a
+//! Consumer mode (`PAYMENTS_DEMO_MODE=consumer`, docs/embedded-mode.md): payment commands from a
 //! Redis Stream, each run at most once by `idem-embedded`'s [`Idempotency::once`].
 //!
 //! A message's fields: `tenant`, `key` (the producer's id for the logical operation, so a
