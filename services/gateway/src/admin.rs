@@ -311,24 +311,25 @@ pub async fn release(
     }
     let scope = scope(path, Some(asked.endpoint))?;
     let named = format!("{} {:?} {}", scope.tenant, scope.endpoint, scope.key);
-    let done = app
-        .engine
-        .ledger()
-        .release_by_operator(&scope, attempt, asked.force)
-        .await
-        .map_err(unavailable)?;
+    let done = crate::operator::release(
+        app.engine.ledger(),
+        &scope,
+        attempt,
+        asked.force,
+        "admin API",
+        &asked.reason,
+    )
+    .await
+    .map_err(unavailable)?;
     match done {
-        OperatorRelease::Released { forced } => {
-            crate::operator::log_release(&scope, attempt, forced, "admin API", &asked.reason);
-            Ok(Json(Released {
-                tenant: scope.tenant.to_string(),
-                endpoint: scope.endpoint.to_string(),
-                key: scope.key.as_str().to_owned(),
-                attempt: attempt.to_string(),
-                forced,
-            })
-            .into_response())
-        }
+        OperatorRelease::Released { forced } => Ok(Json(Released {
+            tenant: scope.tenant.to_string(),
+            endpoint: scope.endpoint.to_string(),
+            key: scope.key.as_str().to_owned(),
+            attempt: attempt.to_string(),
+            forced,
+        })
+        .into_response()),
         OperatorRelease::Absent => Err(Problem::KeyNotFound),
         refused => Err(Problem::ReleaseRefused(
             crate::operator::why_unchanged(&refused, &named, attempt, "send \"force\": true", "")

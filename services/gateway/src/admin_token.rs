@@ -1,6 +1,10 @@
 //! The admin API's bearer token: the contents of `admin.token_file`, read at start and
 //! again whenever the file changes (a rotated Kubernetes Secret is a new file behind the
-//! same path), so a new token is accepted and the old one refused without a restart.
+//! same path; an in-place rewrite that keeps the modification time still changes the
+//! change time), so a new token is accepted and the old one refused without a restart.
+//!
+//! The file is the token: once it is gone, or holds no valid token, every call is refused
+//! until it holds one again — deleting the file closes the API.
 
 use std::path::PathBuf;
 use std::sync::Mutex;
@@ -9,20 +13,29 @@ use std::time::SystemTime;
 use idem_config::admin::AdminConfig;
 use secrecy::{ExposeSecret, SecretString};
 
-/// What identifies one version of the file: its inode, modification time and size.
-type Stamp = Option<(u64, SystemTime, u64)>;
+/// What identifies one version of the file: its inode, size, modification time and
+/// change time (which no `cp -p` or `rsync -t` keeps). `None`: there is no file.
+type Stamp = Option<(u64, u64, SystemTime, i64, i64)>;
 
 fn stamp(path: &PathBuf) -> Stamp {
     use std::os::unix::fs::MetadataExt;
     let meta = std::fs::metadata(path).ok()?;
-    Some((meta.ino(), meta.modified().ok()?, meta.len()))
+    Some((
+        meta.ino(),
+        meta.len(),
+        meta.modified().ok()?,
+        meta.ctime(),
+        meta.ctime_nsec(),
+    ))
 }
 
 /// The token as the file holds it now.
 pub struct AdminToken {
     config: AdminConfig,
     path: PathBuf,
-    current: Mutex<(SecretString, Stamp)>,
+    /// The token in force (`None`: the file is gone or holds none, and every call is
+    /// refused), and the version of the file it was read from.
+    current: Mutex<(Option<SecretString>, Stamp)>,
 }
 
 impl std::fmt::Debug for AdminToken {
@@ -43,31 +56,36 @@ impl AdminToken {
         Ok(Some(Self {
             config: config.clone(),
             path,
-            current: Mutex::new((token, stamp)),
+            current: Mutex::new((Some(token), stamp)),
         }))
     }
 
     /// Whether `sent` is the token the file holds now, compared in a time that does not
-    /// depend on where the two first differ. A changed file is read again; one that no
-    /// longer holds a valid token leaves the last good one in force (and says so).
+    /// depend on where the two first differ. A changed file is read again; one that is
+    /// gone or holds no valid token accepts nothing (and says so, once per change).
     pub fn accepts(&self, sent: &str) -> bool {
         let mut current = self.current.lock().expect("admin token");
         let now = stamp(&self.path);
         if now != current.1 {
             current.1 = now;
-            match self.config.token() {
-                Ok(Some(token)) => {
-                    current.0 = token;
+            current.0 = match self.config.token() {
+                Ok(token) => {
                     tracing::info!(path = %self.path.display(), "admin token re-read");
+                    token
                 }
-                Ok(None) => {}
-                Err(error) => tracing::warn!(
-                    %error,
-                    "admin.token_file changed but holds no valid token; the last one stays in force"
-                ),
-            }
+                Err(error) => {
+                    tracing::warn!(
+                        %error,
+                        "admin.token_file is gone or holds no valid token: every admin call is refused until it holds one"
+                    );
+                    None
+                }
+            };
         }
-        same(sent.as_bytes(), current.0.expose_secret().as_bytes())
+        current
+            .0
+            .as_ref()
+            .is_some_and(|token| same(sent.as_bytes(), token.expose_secret().as_bytes()))
     }
 }
 

@@ -224,10 +224,12 @@ async fn run(command: Command) -> anyhow::Result<()> {
                     let attempt = idem_core::AttemptId(attempt);
                     let named = format!("{} {:?} {}", scope.tenant, scope.endpoint, scope.key);
                     use idem_postgres::OperatorRelease as R;
-                    match ledger.release_by_operator(&scope, attempt, force).await? {
+                    let by = std::env::var("USER").unwrap_or_else(|_| "unknown".into());
+                    let done =
+                        idemgate::operator::release(&ledger, &scope, attempt, force, &by, &reason)
+                            .await?;
+                    match done {
                         R::Released { forced } => {
-                            let by = std::env::var("USER").unwrap_or_else(|_| "unknown".into());
-                            idemgate::operator::log_release(&scope, attempt, forced, &by, &reason);
                             println!(
                                 "released {named}, attempt {attempt}{}",
                                 if forced {

@@ -2,8 +2,8 @@
 //! keys waiting on a person, one per line.
 
 use chrono::{DateTime, Utc};
-use idem_core::{AttemptId, Scope};
-use idem_postgres::{KeyInfo, OperatorRelease};
+use idem_core::{AttemptId, LedgerError, Scope};
+use idem_postgres::{KeyInfo, OperatorRelease, PgLedger};
 
 /// Where a key stands: completed, in progress (its first attempt running), or held (in
 /// progress with its lease over: the outcome is unknown until a probe, a policy or an
@@ -202,9 +202,30 @@ fn trace_id(info: &KeyInfo) -> Option<&str> {
     info.trace_context.as_deref()?.split('-').nth(1)
 }
 
+/// An operator's release of `attempt`'s key, the one way both the CLI and the admin API
+/// release (`by` says which, and who): only that attempt, only past its lease unless
+/// `force`. A release is logged with its `reason`; a forced one also keeps it with its
+/// mark, so the attempt's completion, if it comes, says whose release it was.
+pub async fn release(
+    ledger: &PgLedger,
+    scope: &Scope,
+    attempt: AttemptId,
+    force: bool,
+    by: &str,
+    reason: &str,
+) -> Result<OperatorRelease, LedgerError> {
+    let done = ledger
+        .release_by_operator(scope, attempt, force, &format!("{by}: {reason}"))
+        .await?;
+    if let OperatorRelease::Released { forced } = done {
+        log_release(scope, attempt, forced, by, reason);
+    }
+    Ok(done)
+}
+
 /// The line every release by an operator writes (docs/operations.md): which key, which attempt,
 /// whether forced, by whom and why.
-pub fn log_release(scope: &Scope, attempt: AttemptId, forced: bool, by: &str, reason: &str) {
+fn log_release(scope: &Scope, attempt: AttemptId, forced: bool, by: &str, reason: &str) {
     tracing::warn!(
         tenant.id = %scope.tenant,
         idempotency.endpoint = %scope.endpoint,

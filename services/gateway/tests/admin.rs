@@ -206,6 +206,56 @@ async fn an_admin_release_follows_the_operator_rules() {
     let _ = running.await;
 }
 
+/// A forced release of a running attempt, then that attempt's answer: written back (the
+/// payment happened), and told apart from a lost commit — the restored-record counter
+/// behind the critical alert stays at zero, and the release's mark keeps its reason. (On
+/// 1c4f8d1 the completion counted a restored record: "no restored-record alert, left: 1.0, right: 0.0".)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_forced_release_is_never_reported_as_a_lost_commit() {
+    let (db, gw, http) = gateway().await;
+    let key = new_key();
+    let running = in_flight(
+        http.pay(&gw.url("/payments"), "acme", &key, &payment("o-forced", 1))
+            .demo_delay(400)
+            .send(),
+        Duration::from_millis(150),
+    )
+    .await;
+    let attempt = show(&http, &gw, &key).await.json()["attempt"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let forced = release(&http, &gw, &key, asked(&attempt, true)).await;
+    assert_eq!(forced.json()["forced"], true, "{:?}", forced.body);
+    assert_eq!(
+        show(&http, &gw, &key).await.problem(),
+        "idempotency-key-not-found"
+    );
+    assert_eq!(running.await.unwrap().status, StatusCode::CREATED);
+
+    let back = show(&http, &gw, &key).await.json();
+    assert_eq!(back["status"], "completed", "written back: {back}");
+    let retry = http
+        .pay(&gw.url("/payments"), "acme", &key, &payment("o-forced", 1))
+        .send()
+        .await;
+    assert!(retry.replayed());
+    assert_eq!(db.executions("demo_payments", "acme", &key).await, 1);
+    let metrics = http.get(&gw.url("/metrics")).send().await;
+    let restored = metric(
+        std::str::from_utf8(&metrics.body).unwrap(),
+        "idemgate_records_restored_total",
+    );
+    assert_eq!(restored.unwrap_or(0.0), 0.0, "no restored-record alert");
+    let reason: String =
+        sqlx::query_scalar("SELECT reason FROM forced_releases WHERE attempt = $1")
+            .bind(uuid::Uuid::parse_str(&attempt).unwrap())
+            .fetch_one(&mut db.connect().await)
+            .await
+            .unwrap();
+    assert_eq!(reason, "admin API: ticket 42");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_admin_input_gets_a_problem_and_changes_nothing() {
     let (db, gw, http) = gateway().await;
@@ -317,14 +367,63 @@ async fn a_rotated_admin_token_is_taken_without_a_restart() {
         StatusCode::UNAUTHORIZED,
         "the old token"
     );
-    // A file that holds no valid token leaves the last one in force.
+    // A file that holds no valid token accepts none: the last one is not kept in force.
     std::fs::write(&next, "short\n").unwrap();
     std::fs::rename(&next, &token_file).unwrap();
+    assert_eq!(held(rotated).await.status, StatusCode::UNAUTHORIZED);
+    assert_eq!(held("short").await.status, StatusCode::UNAUTHORIZED);
+}
+
+/// A same-length token written in place with the file's modification time kept (`cp -p`,
+/// `rsync -t`) is taken; a deleted token file closes the API until it is back. (On
+/// 1c4f8d1 the rewrite went unnoticed — "the rewritten token, left: 401, right: 200" —
+/// and the deleted file left the last token valid.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_in_place_rewrite_is_taken_and_a_deleted_token_file_closes_the_api() {
+    let token_file = config_file(&format!("{TOKEN}\n"));
+    let (_db, gw, http) = setup_with(
+        |c| {
+            c.set("admin.listen", "127.0.0.1:0")
+                .set("admin.token_file", token_file.to_str().unwrap())
+        },
+        |r| r,
+    )
+    .await;
+    let held = |token: &str| {
+        http.get(&gw.admin_url("/admin/v1/held"))
+            .bearer(token)
+            .send()
+    };
+    assert_eq!(held(TOKEN).await.status, StatusCode::OK);
+    let modified = std::fs::metadata(&token_file).unwrap().modified().unwrap();
+    let same_length = "admin-token-fedcba9876543210";
+    assert_eq!(same_length.len(), TOKEN.len());
+    std::fs::write(&token_file, format!("{same_length}\n")).unwrap();
+    std::fs::File::options()
+        .write(true)
+        .open(&token_file)
+        .unwrap()
+        .set_modified(modified)
+        .unwrap();
     assert_eq!(
-        held(rotated).await.status,
-        StatusCode::OK,
-        "the last good one"
+        std::fs::metadata(&token_file).unwrap().modified().unwrap(),
+        modified
     );
+    assert_eq!(
+        held(same_length).await.status,
+        StatusCode::OK,
+        "the rewritten token"
+    );
+    assert_eq!(held(TOKEN).await.status, StatusCode::UNAUTHORIZED);
+
+    std::fs::remove_file(&token_file).unwrap();
+    assert_eq!(
+        held(same_length).await.status,
+        StatusCode::UNAUTHORIZED,
+        "deleted"
+    );
+    std::fs::write(&token_file, format!("{same_length}\n")).unwrap();
+    assert_eq!(held(same_length).await.status, StatusCode::OK, "back");
 }
 
 /// The admin API on an address beyond loopback is refused at start unless the operator

@@ -16,7 +16,8 @@ use crate::headers;
 /// status, headers, body, ttl_ms, omitted, request_hash and their position n): each fenced
 /// by its key and attempt alone (not by status), so that repeating a completion whose
 /// reply was lost finds its own row again instead of reporting a lost fence. Returns the
-/// positions of the rows it wrote, each with its new expiry and whether it was restored.
+/// positions of the rows it wrote, each with its new expiry, whether it was restored, and
+/// — restored after an operator's forced release — that release's reason.
 ///
 /// The rows are locked first, in the order of `i` (scope order), as claims lock them. The
 /// update then finds each row by its key again, never by where the row was when it was
@@ -31,10 +32,12 @@ use crate::headers;
 /// A row that is **absent** — no attempt's row at all for the key, not one another attempt
 /// owns — is written back, completed (`restored`). Nothing of the gateway deletes a row
 /// whose attempt is still inside its lease, so an absent row means the ledger lost a
-/// commit it had acknowledged (a failover to a standby that had not received it). The
-/// upstream did act: without the write-back a retry would claim the key afresh and execute
-/// again. The insert is fenced like any claim: a row another attempt inserted since
-/// (visible or not to this statement) conflicts, and nothing is written.
+/// commit it had acknowledged (a failover to a standby that had not received it) — unless
+/// an operator forced its release, which leaves a mark (`forced_releases`) the statement
+/// returns. Either way the upstream did act: without the write-back a retry would claim
+/// the key afresh and execute again. The insert is fenced like any claim: a row another
+/// attempt inserted since (visible or not to this statement) conflicts, and nothing is
+/// written.
 macro_rules! complete_sql {
     ($completions:literal) => {
         concat!(
@@ -72,11 +75,13 @@ macro_rules! complete_sql {
                RETURNING k.tenant_id, k.endpoint, k.key, k.expires_at) \
              SELECT done.n, ",
             $crate::ledger::rules::epoch_micros!("done.expires_at"),
-            " AS expires_at_us, false AS restored FROM done \
+            " AS expires_at_us, false AS restored, NULL::text AS released_by FROM done \
              UNION ALL \
              SELECT i.n, ",
             $crate::ledger::rules::epoch_micros!("restored.expires_at"),
-            ", true FROM restored JOIN i ON i.tenant_id = restored.tenant_id \
+            ", true, (SELECT f.reason FROM forced_releases AS f \
+                WHERE f.tenant_id = i.tenant_id AND f.attempt = i.attempt) \
+             FROM restored JOIN i ON i.tenant_id = restored.tenant_id \
                AND i.endpoint = restored.endpoint AND i.key = restored.key"
         )
     };
@@ -186,7 +191,7 @@ impl CompleteRow {
             .bind(self.omitted)
             .fetch_optional(conn)
             .await?;
-        Ok(self.completed(expires_at.map(|expires_at| (expires_at, false))))
+        Ok(self.completed(expires_at.map(|expires_at| (expires_at, Absent::No))))
     }
 }
 
@@ -219,7 +224,7 @@ impl Batch for Completions {
         conn: &mut PgConnection,
         rows: &[&CompleteRow],
     ) -> Result<Vec<Completed>, sqlx::Error> {
-        let held: Vec<(i64, i64, bool)> = sqlx::query_as(complete_sql())
+        let held: Vec<(i64, i64, bool, Option<String>)> = sqlx::query_as(complete_sql())
             .bind(column(rows, |r| r.scope.tenant.as_str()))
             .bind(column(rows, |r| r.scope.endpoint.as_str()))
             .bind(column(rows, |r| r.scope.key.as_str()))
@@ -238,20 +243,48 @@ impl Batch for Completions {
             .zip(1..)
             .map(|(row, n)| {
                 let wrote = held.iter().find(|(at, ..)| *at == n);
-                row.completed(wrote.map(|&(_, expires_at, restored)| (expires_at, restored)))
+                row.completed(wrote.map(|(_, expires_at, restored, released_by)| {
+                    let absent = match (restored, released_by) {
+                        (false, _) => Absent::No,
+                        (true, Some(reason)) => Absent::ForcedRelease(reason),
+                        (true, None) => Absent::Lost,
+                    };
+                    (*expires_at, absent)
+                }))
             })
             .collect())
     }
 }
 
+/// Why a completion found its row absent, and wrote it back.
+enum Absent<'a> {
+    /// It was not: the row was there.
+    No,
+    /// The ledger lost a commit it had acknowledged.
+    Lost,
+    /// An operator force-released the row while its attempt ran, for this reason.
+    ForcedRelease(&'a str),
+}
+
 impl CompleteRow {
-    /// What this completion did: wrote its row (with the row's new expiry, and whether it
-    /// had to write the row back), or nothing.
-    fn completed(&self, wrote: Option<(i64, bool)>) -> Completed {
-        let Some((expires_at_us, restored)) = wrote else {
+    /// What this completion did: wrote its row (with the row's new expiry, and whether and
+    /// why it had to write the row back), or nothing.
+    fn completed(&self, wrote: Option<(i64, Absent<'_>)>) -> Completed {
+        let Some((expires_at_us, absent)) = wrote else {
             return Completed::Lost;
         };
-        if restored {
+        if let Absent::ForcedRelease(reason) = absent {
+            // Not a lost commit: an operator released the row while this attempt ran.
+            tracing::warn!(
+                tenant = %self.scope.tenant,
+                endpoint = %self.scope.endpoint,
+                key = %self.scope.key.as_str(),
+                attempt = %self.attempt,
+                released_by = %reason,
+                "an attempt whose key an operator force-released has completed: the upstream \
+                 acted, so its answer was written back and retries replay it"
+            );
+        } else if let Absent::Lost = absent {
             idem_telemetry::metrics::counter!("idemgate_records_restored_total").increment(1);
             tracing::error!(
                 tenant = %self.scope.tenant,

@@ -97,16 +97,27 @@ pub const COUNT_HELD_SQL: &str = concat!(
 );
 
 /// An operator's release: the in-progress row of the scope $1..$3 owned by the attempt
-/// in $4, only while held (its lease over) unless $5 forces it.
+/// in $4, only while held (its lease over) unless $5 forces it. A forced release leaves
+/// its mark, with the reason $6, in the same statement: that attempt may still complete,
+/// and its completion then knows the row was released on purpose.
 pub const OPERATOR_RELEASE_SQL: &str = concat!(
-    "DELETE FROM idempotency_keys AS k WHERE ",
+    "WITH released AS (DELETE FROM idempotency_keys AS k WHERE ",
     rules::owned_by_attempt!(),
     " AND k.status = 'in_progress' AND ((",
     rules::held!(),
-    ") OR $5) RETURNING (",
+    ") OR $5) RETURNING k.tenant_id, k.endpoint, k.key, k.attempt, (",
     rules::held!(),
-    ") AS held"
+    ") AS held), \
+     marked AS (INSERT INTO forced_releases (tenant_id, attempt, endpoint, key, reason) \
+       SELECT tenant_id, attempt, endpoint, key, $6 FROM released WHERE NOT held \
+       ON CONFLICT (tenant_id, attempt) DO NOTHING) \
+     SELECT held FROM released"
 );
+
+/// Forgets the marks of forced releases a day old: any attempt they could concern has
+/// long ended (its timeout is shorter than its lease).
+pub const PURGE_FORCED_SQL: &str =
+    "DELETE FROM forced_releases WHERE released_at < now() - interval '1 day'";
 
 /// Every endpoint the ledger holds keys under, by a loose scan of the primary key (one
 /// index probe per tenant and endpoint, however many keys each has).
@@ -250,18 +261,21 @@ impl PgLedger {
     }
 
     /// Releases `attempt`'s in-progress key by an operator's hand: only that attempt,
-    /// and only once its lease is over unless `force`. When nothing changed, says why.
+    /// and only once its lease is over unless `force` (then `reason` is kept with the
+    /// release's mark, for the attempt's completion to log). When nothing changed, says why.
     pub async fn release_by_operator(
         &self,
         scope: &Scope,
         attempt: AttemptId,
         force: bool,
+        reason: &str,
     ) -> Result<OperatorRelease, LedgerError> {
         let released = self
             .bounded("operator_release", async |c| {
                 Self::on(OPERATOR_RELEASE_SQL, scope)
                     .bind(attempt.0)
                     .bind(force)
+                    .bind(reason)
                     .fetch_optional(c)
                     .await
             })
