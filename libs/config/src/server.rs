@@ -11,6 +11,7 @@
 //! | `server.body_read_timeout` | `30s` | a request body must arrive within this (408) |
 //! | `server.max_concurrent_requests` | `1024` | requests in flight; beyond, 503 `overloaded` |
 //! | `server.response_write_timeout` | `30s` | a client that takes longer to accept a write of its answer is cut off |
+//! | `server.refusal_log_interval` | `10s` | refusals (401, 429, 503 `overloaded`) are logged at most once per tenant and reason per interval, with their count |
 //! | `server.max_replay_bytes_in_flight` | `268435456` | stored bodies held for answers in flight, all requests together (one tenant at most a quarter, or one body); beyond, 503 `overloaded` |
 
 use std::net::SocketAddr;
@@ -53,6 +54,10 @@ pub struct ServerConfig {
     /// all requests together (concurrent retries of one key share one copy); a replay
     /// that would go past it gets 503 `overloaded`.
     pub max_replay_bytes_in_flight: usize,
+    /// Refusals are logged at most once per tenant and reason per interval, with their
+    /// count: a flood of them is a flood of counts, not of log lines.
+    #[serde(with = "humantime_serde")]
+    pub refusal_log_interval: Duration,
 }
 
 impl Default for ServerConfig {
@@ -69,6 +74,7 @@ impl Default for ServerConfig {
             max_concurrent_requests: 1024,
             response_write_timeout: Duration::from_secs(30),
             max_replay_bytes_in_flight: 256 * 1024 * 1024,
+            refusal_log_interval: Duration::from_secs(10),
         }
     }
 }
@@ -95,6 +101,10 @@ impl ServerConfig {
             (
                 "server.max_replay_bytes_in_flight",
                 self.max_replay_bytes_in_flight == 0,
+            ),
+            (
+                "server.refusal_log_interval",
+                self.refusal_log_interval.is_zero(),
             ),
         ])?;
         if self.max_header_bytes < 1024 {

@@ -268,6 +268,8 @@ pub fn signal(pid: u32, name: &str) {
 pub struct GatewayProcess {
     pub addr: SocketAddr,
     child: Child,
+    /// Its log lines (JSON), when started with [`GatewayProcess::start_logged`].
+    logs: Option<std::sync::Arc<std::sync::Mutex<Vec<serde_json::Value>>>>,
 }
 
 impl GatewayProcess {
@@ -291,7 +293,55 @@ impl GatewayProcess {
             .spawn()
             .expect("spawn idemgate");
         let addr = read_listen_line(&mut child, "idemgate listening on ").await;
-        Self { addr, child }
+        Self {
+            addr,
+            child,
+            logs: None,
+        }
+    }
+
+    /// A gateway whose info-level log lines (as JSON) the test reads with
+    /// [`GatewayProcess::logs`].
+    pub async fn start_logged(config_text: &str) -> Self {
+        let path = config_file(config_text);
+        let mut child = Command::new(binary("idemgate", "services/gateway/src"))
+            .arg("serve")
+            .arg("--config")
+            .arg(&path)
+            .env("RUST_LOG", "info")
+            .env("IDEMGATE_LOG_FORMAT", "json")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .kill_on_drop(true)
+            .spawn()
+            .expect("spawn idemgate");
+        let logs = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let mut lines = BufReader::new(child.stderr.take().expect("piped stderr")).lines();
+        let kept = logs.clone();
+        tokio::spawn(async move {
+            while let Ok(Some(line)) = lines.next_line().await {
+                if let Ok(value) = serde_json::from_str(&line) {
+                    kept.lock().unwrap().push(value);
+                }
+            }
+        });
+        let addr = read_listen_line(&mut child, "idemgate listening on ").await;
+        Self {
+            addr,
+            child,
+            logs: Some(logs),
+        }
+    }
+
+    /// The log lines so far whose message is `message`, as their fields.
+    pub fn logs(&self, message: &str) -> Vec<serde_json::Value> {
+        let logs = self.logs.as_ref().expect("started with start_logged");
+        logs.lock()
+            .unwrap()
+            .iter()
+            .filter(|line| line["fields"]["message"] == message)
+            .map(|line| line["fields"].clone())
+            .collect()
     }
 
     pub fn url(&self, path: &str) -> String {

@@ -141,11 +141,22 @@ impl Application {
             fenced: Default::default(),
             unrecorded: Default::default(),
             webhooks,
+            refusals: crate::refusals::Refusals::new(server.refusal_log_interval),
             key_refresh,
             postgres_ready,
             readiness,
         };
         let state = Arc::new(state);
+        // Writes the refusals counted since their last line, for as long as the state lives.
+        let weak = Arc::downgrade(&state);
+        tokio::spawn(async move {
+            let mut every = tokio::time::interval(std::time::Duration::from_secs(1));
+            loop {
+                every.tick().await;
+                let Some(state) = weak.upgrade() else { return };
+                state.refusals.flush();
+            }
+        });
         // Forgets idle tenants' buckets and counters, for as long as the state lives.
         let weak = Arc::downgrade(&state);
         tokio::spawn(async move {
@@ -248,17 +259,26 @@ pub fn router(state: Arc<AppState>) -> Router {
             lookup::KEYS,
             get(lookup::list)
                 .fallback(not_here)
-                .layer(axum::middleware::from_fn(observe::observe)),
+                .layer(axum::middleware::from_fn_with_state(
+                    state.clone(),
+                    observe::observe,
+                )),
         )
         .route(
             &format!("{}/{{key}}", lookup::KEYS),
             get(lookup::show)
                 .fallback(not_here)
-                .layer(axum::middleware::from_fn(observe::observe)),
+                .layer(axum::middleware::from_fn_with_state(
+                    state.clone(),
+                    observe::observe,
+                )),
         )
         // Limits first (their refusals are counted, not traced), then the span, the
         // metrics and the log line around the request itself.
-        .fallback(handler::handle.layer(axum::middleware::from_fn(observe::observe)))
+        .fallback(handler::handle.layer(axum::middleware::from_fn_with_state(
+            state.clone(),
+            observe::observe,
+        )))
         .layer(axum::middleware::from_fn_with_state(
             state.clone(),
             limits::enforce,

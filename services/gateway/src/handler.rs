@@ -37,7 +37,7 @@ use tracing::{Instrument, Span};
 
 use crate::extract::{Caller, Key, Matched, read_body};
 use crate::limits::Slot;
-use crate::observe::{self, Endpoint};
+use crate::observe::{self, Endpoint, TenantLabel};
 use crate::problem::Problem;
 use crate::respond::{passthrough, respond};
 use crate::state::AppState;
@@ -54,10 +54,17 @@ pub async fn handle(
     request: Request,
 ) -> Response {
     let endpoint = Endpoint(route.endpoint.clone());
+    let tenant = match &caller {
+        Caller::Token(tenant) => Some(TenantLabel(tenant.clone())),
+        Caller::Unverified => None,
+    };
     let mut response = serve(app, caller, route, key, request)
         .await
         .into_response();
     response.extensions_mut().insert(endpoint);
+    if let Some(tenant) = tenant {
+        response.extensions_mut().insert(tenant);
+    }
     response
 }
 

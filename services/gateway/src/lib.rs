@@ -12,7 +12,8 @@
 //!   yet verified — the matched route, the key header) and the body.
 //! - [`webhook`]: webhook routes: unverified bodies bounded per route, signatures checked
 //!   off the request threads, secrets re-read when their files change.
-//! - [`observe`]: the `idemgate.request` span, request metrics and log line, as a layer.
+//! - [`observe`]: the `idemgate.request` span, request metrics and log line, as a layer;
+//!   [`refusals`]: refusals logged per tenant and reason at most once per interval.
 //! - [`respond`]: an engine outcome as the client's response.
 //! - [`problem`]: every error response, as `application/problem+json` (in `idem-http`,
 //!   shared with embedded mode).
@@ -45,6 +46,7 @@ pub mod metrics;
 pub mod observe;
 pub mod openapi;
 pub mod operator;
+pub mod refusals;
 pub mod respond;
 pub mod server;
 pub mod state;

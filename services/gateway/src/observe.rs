@@ -1,10 +1,14 @@
 //! Observability as a layer around the request handler: the `idemgate.request` span
 //! (continuing the client's trace), the request metrics and the one log line per
-//! request. Whoever answers says what the request came to by putting an [`OutcomeLabel`]
-//! (and, once a route matched, an [`Endpoint`]) in the response's extensions; a
-//! [`crate::problem::Problem`] does so itself.
+//! request served — a refusal (401, 429, 503 `overloaded`) is counted as every request is,
+//! but logged per tenant and reason at most once per interval ([`crate::refusals`]).
+//! Whoever answers says what the request came to by putting an [`OutcomeLabel`] (and,
+//! once a route matched, an [`Endpoint`]; once a token named one, a [`TenantLabel`]) in
+//! the response's extensions; a [`crate::problem::Problem`] does so itself.
 
-use axum::extract::Request;
+use std::sync::Arc;
+
+use axum::extract::{Request, State};
 use axum::middleware::Next;
 use axum::response::Response;
 use idem_telemetry::metrics::{counter, histogram};
@@ -14,11 +18,18 @@ use tracing::Instrument;
 
 pub use idem_http::OutcomeLabel;
 
+use crate::refusals::{self, Refusals};
+use crate::state::AppState;
+
 /// The matched route's endpoint (`"POST /payments"`), a metrics label.
 #[derive(Debug, Clone)]
 pub struct Endpoint(pub String);
 
-pub async fn observe(request: Request, next: Next) -> Response {
+/// The tenant a token named, for the refusal log.
+#[derive(Debug, Clone)]
+pub struct TenantLabel(pub String);
+
+pub async fn observe(State(app): State<Arc<AppState>>, request: Request, next: Next) -> Response {
     let started = Instant::now();
     let span = propagation::request_span(request.method(), request.uri().path(), request.headers());
     let mut response = next.run(request).instrument(span.clone()).await;
@@ -39,6 +50,12 @@ pub async fn observe(request: Request, next: Next) -> Response {
         .increment(1);
     histogram!("idemgate_request_duration_seconds", "outcome" => outcome, "endpoint" => endpoint)
         .record(elapsed);
+    if Refusals::is_refusal(status, outcome) {
+        let tenant = response.extensions_mut().remove::<TenantLabel>();
+        let tenant = tenant.as_ref().map_or(refusals::UNKNOWN, |t| t.0.as_str());
+        app.refusals.refused(tenant, outcome, status);
+        return response;
+    }
     span.in_scope(|| {
         tracing::info!(
             idempotency.outcome = outcome,

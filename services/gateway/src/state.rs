@@ -41,6 +41,8 @@ pub struct AppState {
     /// The webhook routes' places for unverified bodies and their secrets, read again
     /// when their files change.
     pub webhooks: Arc<crate::webhook::Receivers>,
+    /// Refusals, logged per tenant and reason at most once per interval.
+    pub refusals: crate::refusals::Refusals,
     /// Fetches and refreshes an identity provider's keys, for as long as the state lives.
     pub key_refresh: Option<AbortOnDropHandle<()>>,
     /// Whether a writable Postgres answered lately: refreshed in the background.

@@ -412,3 +412,58 @@ async fn idempotency_expires_is_the_records_expiry_on_the_first_answer_and_every
     }
     assert_eq!(b.cache_stats().hits, 2, "b replayed both keys from Redis");
 }
+
+/// A tenant far over its rate writes at most one log line per reason per
+/// `server.refusal_log_interval`, with the count, not a line per refusal; the requests it
+/// is served keep their access-log lines. (With the refusal branch of `observe` taken out,
+/// as on 3d57104, every 429 wrote an access line of its own and none a count: "one line per
+/// interval: []".)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_flood_of_refusals_is_one_log_line_per_interval_with_its_count() {
+    let db = TestDb::create().await;
+    let upstream = TestUpstream::start().await;
+    let config = TestConfig::new(&db)
+        .set("tenants.acme.rate", "1/s")
+        .set("server.refusal_log_interval", "2s")
+        .route(Route::idempotent("POST", "/payments", &upstream.url()));
+    let gw = GatewayProcess::start_logged(&config.toml()).await;
+    let http = Http::default();
+    let url = gw.url("/payments");
+    let mut refused = 0;
+    for _ in 0..150 {
+        let answer = http.pay(&url, "acme", &new_key(), "{}").send().await;
+        if answer.status == StatusCode::TOO_MANY_REQUESTS {
+            refused += 1;
+        }
+    }
+    assert!(refused >= 140, "{refused} refused");
+    let served = http.pay(&url, "globex", &new_key(), "{}").send().await;
+    assert_eq!(served.status, StatusCode::CREATED);
+    // Real time: the interval is the gateway's, written on its own clock.
+    tokio::time::sleep(Duration::from_millis(3500)).await;
+
+    let lines: Vec<_> = gw
+        .logs("refused")
+        .into_iter()
+        .filter(|l| l["tenant.id"] == "acme" && l["reason"] == "tenant-rate-limited")
+        .collect();
+    assert!(
+        (1..=3).contains(&lines.len()),
+        "one line per interval: {lines:?}"
+    );
+    let counted: u64 = lines.iter().map(|l| l["count"].as_u64().unwrap()).sum();
+    assert_eq!(counted, refused, "every refusal counted: {lines:?}");
+    let refusals_logged_as_requests = gw
+        .logs("request")
+        .iter()
+        .filter(|l| l["http.status"] == 429)
+        .count();
+    assert_eq!(
+        refusals_logged_as_requests, 0,
+        "one line per interval, not per refusal"
+    );
+    assert!(
+        gw.logs("request").iter().any(|l| l["http.status"] == 201),
+        "served requests keep their lines"
+    );
+}
