@@ -120,8 +120,9 @@ impl Demo {
 
 /// An upstream of the test's own, on a real socket: it answers every request with the
 /// status in `x-test-status` (default 201) and a body of `x-test-bytes` bytes (default
-/// a small JSON object), and records what it was sent, so tests can count executions
-/// and read the headers idemgate forwarded.
+/// a small JSON object) — or, with `x-test-events: n`, a `text/event-stream` of n events
+/// (`data: <i>`), one every `x-test-event-ms` (default 200) — and records what it was
+/// sent, so tests can count executions and read the headers idemgate forwarded.
 pub struct TestUpstream {
     pub addr: SocketAddr,
     seen: std::sync::Arc<std::sync::Mutex<Vec<HeaderMap>>>,
@@ -157,7 +158,17 @@ impl TestUpstream {
                     None => Bytes::from_static(br#"{"ok":true}"#),
                 };
                 let delay = number("x-test-delay-ms");
+                let events = number("x-test-events");
+                let every = Duration::from_millis(number("x-test-event-ms").unwrap_or(200) as u64);
                 record.lock().unwrap().push(headers);
+                if let Some(n) = events {
+                    return (
+                        status,
+                        [("content-type", "text/event-stream")],
+                        axum::body::Body::new(EventStream::start(n, every)),
+                    )
+                        .into_response();
+                }
                 if let Some(ms) = delay {
                     // Real time: the delay a test asked this upstream for.
                     tokio::time::sleep(Duration::from_millis(ms as u64)).await;
@@ -190,6 +201,43 @@ impl TestUpstream {
     /// The body `x-test-bytes: n` makes it send.
     pub fn body_of(n: usize) -> Bytes {
         Bytes::from((0..n).map(|i| (i % 251) as u8).collect::<Vec<_>>())
+    }
+}
+
+/// `n` server-sent events, one every `every`, from a task of their own.
+struct EventStream(tokio::sync::mpsc::Receiver<Bytes>);
+
+impl EventStream {
+    fn start(n: usize, every: Duration) -> Self {
+        let (events, receiver) = tokio::sync::mpsc::channel(1);
+        tokio::spawn(async move {
+            for i in 0..n {
+                // Real time: the pace a test asked this upstream for.
+                tokio::time::sleep(every).await;
+                if events
+                    .send(Bytes::from(format!("data: {i}\n\n")))
+                    .await
+                    .is_err()
+                {
+                    return;
+                }
+            }
+        });
+        Self(receiver)
+    }
+}
+
+impl http_body::Body for EventStream {
+    type Data = Bytes;
+    type Error = std::convert::Infallible;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<http_body::Frame<Bytes>, Self::Error>>> {
+        self.0
+            .poll_recv(cx)
+            .map(|event| event.map(|e| Ok(http_body::Frame::data(e))))
     }
 }
 

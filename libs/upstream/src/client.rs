@@ -340,7 +340,10 @@ pub enum Unknown {
 
 /// Sends `request` and reads the answer, all within `timeout`, in a client span whose
 /// context goes upstream as `traceparent`. A body longer than `max_body` bytes is
-/// handed on as a stream (each of its later frames due within `timeout` of the last).
+/// handed on as a stream (each of its later frames due within `timeout` of the last);
+/// with `max_body` 0 (a route that stores nothing) the whole body streams on from the
+/// answer's head, so an event stream or a long download flows as it comes and `timeout`
+/// bounds only the wait for the head and each stall between frames.
 pub async fn forward(
     client: &HttpClient,
     mut request: Request<Full<Bytes>>,
@@ -439,13 +442,17 @@ async fn exchange(
     }
 }
 
-/// Reads `body` in full if it fits in `max` bytes, else starts streaming it.
+/// Reads `body` in full if it fits in `max` bytes, else starts streaming it (at once when
+/// `max` is 0).
 async fn read_capped(
     mut body: Incoming,
     headers: &HeaderMap,
     max: usize,
     idle: Duration,
 ) -> Result<ResponseBody, hyper::Error> {
+    if max == 0 {
+        return Ok(ResponseBody::Streaming(Streaming::new(None, body, idle)));
+    }
     let declared = headers
         .get(header::CONTENT_LENGTH)
         .and_then(|v| v.to_str().ok())

@@ -214,8 +214,15 @@ async fn run(
             key: None,
             traceparent: client_trace.as_deref(),
         };
-        let response = match forward(&app, &route, &sent, None, body, route.timeout).await {
-            Forwarded::Answered(response) => passthrough(response),
+        // Nothing is stored: the answer streams on as it comes (an event stream, a long
+        // download), holding the request's places until it ends.
+        let response = match forward(&app, &route, &sent, None, body, route.timeout, 0).await {
+            Forwarded::Answered(response) => passthrough(response).map(|body| {
+                Body::new(Holding {
+                    body,
+                    _holds: holds,
+                })
+            }),
             Forwarded::NotSent(_) => Problem::UpstreamUnavailable.into_response(),
             Forwarded::Unknown(_) => Problem::UpstreamTimeout.into_response(),
         };
@@ -340,6 +347,34 @@ async fn run(
     Ok((axum::Extension(observe::OutcomeLabel(name)), response).into_response())
 }
 
+/// A proxied answer's body, holding the request's places until it has been sent (or its
+/// client has gone): a stream counts against `server.max_concurrent_requests` and its
+/// tenant's requests in flight for as long as it flows.
+struct Holding {
+    body: Body,
+    _holds: Holds,
+}
+
+impl http_body::Body for Holding {
+    type Data = Bytes;
+    type Error = axum::Error;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<http_body::Frame<Bytes>, Self::Error>>> {
+        std::pin::Pin::new(&mut self.body).poll_frame(cx)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.body.is_end_stream()
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        self.body.size_hint()
+    }
+}
+
 /// What is sent upstream besides the body.
 struct Sent<'a> {
     parts: &'a Parts,
@@ -365,7 +400,16 @@ async fn execute(
         return Execution::NotSent;
     }
     gauge!("idemgate_inflight_executions").increment(1.0);
-    let forwarded = forward(app, route, sent, Some(attempt.id), body, timeout).await;
+    let forwarded = forward(
+        app,
+        route,
+        sent,
+        Some(attempt.id),
+        body,
+        timeout,
+        route.max_response_bytes,
+    )
+    .await;
     gauge!("idemgate_inflight_executions").decrement(1.0);
     match forwarded {
         Forwarded::Answered(response) => Execution::Responded {
@@ -396,6 +440,7 @@ async fn forward(
     attempt: Option<AttemptId>,
     body: Bytes,
     timeout: Duration,
+    max_body: usize,
 ) -> Forwarded {
     let parts = sent.parts;
     let target = parts.uri.path_and_query().map_or("/", |pq| pq.as_str());
@@ -413,8 +458,7 @@ async fn forward(
         sent.traceparent,
     );
     let started = Instant::now();
-    let forwarded =
-        upstream::forward(&app.client, request, timeout, route.max_response_bytes).await;
+    let forwarded = upstream::forward(&app.client, request, timeout, max_body).await;
     histogram!("idemgate_upstream_duration_seconds", "endpoint" => route.endpoint.clone())
         .record(started.elapsed().as_secs_f64());
     forwarded

@@ -637,3 +637,54 @@ async fn idempotency_problems_say_where_the_operation_stands() {
         owned("upstream-unavailable", "not_executed", true)
     );
 }
+
+/// A route that stores nothing forwards its answer as it comes: an event stream's events
+/// arrive one by one, and a stream that flows longer than the route's `timeout` is not
+/// cut. (On 9a8c6d3 the answer was held whole first, and the test read "HTTP/1.1 504
+/// Gateway Timeout" after the route's 1 s timeout, no event.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_through_a_route_that_stores_nothing_flows_as_it_comes() {
+    let db = TestDb::create().await;
+    let upstream = TestUpstream::start().await;
+    let gw = gateway(
+        base(&db).route(Route::plain("GET", "/events", &upstream.url()).set("timeout", "1s")),
+    )
+    .await;
+    let mut stream = TcpStream::connect(gw.addr).await.unwrap();
+    let request = format!(
+        "GET /events HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {}\r\n\
+         x-test-status: 200\r\nx-test-events: 6\r\nx-test-event-ms: 400\r\nConnection: close\r\n\r\n",
+        token("acme")
+    );
+    stream.write_all(request.as_bytes()).await.unwrap();
+    let mut got = Vec::new();
+    // What had arrived when the first event did.
+    let mut at_first_event = None;
+    let mut buf = [0u8; 4096];
+    loop {
+        let n = tokio::time::timeout(Duration::from_secs(5), stream.read(&mut buf))
+            .await
+            .expect("the stream keeps flowing")
+            .unwrap();
+        if n == 0 {
+            break;
+        }
+        got.extend_from_slice(&buf[..n]);
+        if at_first_event.is_none() && got.windows(8).any(|w| w == b"data: 0\n") {
+            at_first_event = Some(String::from_utf8_lossy(&got).into_owned());
+        }
+    }
+    let answer = String::from_utf8_lossy(&got);
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    assert!(answer.contains("text/event-stream"), "{answer}");
+    for i in 0..6 {
+        assert!(
+            answer.contains(&format!("data: {i}\n\n")),
+            "event {i}: {answer}"
+        );
+    }
+    // Events arrive as sent: the first before the last was even sent (2.4 s in, past the
+    // route's 1 s timeout).
+    let first = at_first_event.expect("the first event");
+    assert!(!first.contains("data: 5"), "held whole: {first}");
+}
