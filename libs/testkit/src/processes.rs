@@ -89,6 +89,14 @@ impl Demo {
         Self::spawn(db, &all).await
     }
 
+    /// The demo consuming a Redis Stream (docs/embedded-mode.md, "Queue consumers"), with
+    /// `config_text` as its `PAYMENTS_DEMO_CONFIG` (its `[redis] url`) and `env` besides.
+    pub async fn consumer(db: &TestDb, config_text: &str, env: &[(&str, &str)]) -> Self {
+        let mut all = vec![("PAYMENTS_DEMO_MODE", "consumer")];
+        all.extend_from_slice(env);
+        Self::embedded(db, config_text, &all).await
+    }
+
     async fn spawn(db: &TestDb, env: &[(&str, &str)]) -> Self {
         let mut child = Command::new(binary("payments-demo", "services/payments-demo/src"))
             .env("PAYMENTS_DEMO_LISTEN", "127.0.0.1:0")
@@ -115,6 +123,13 @@ impl Demo {
     pub async fn kill(&mut self) {
         let _ = self.child.start_kill();
         let _ = self.child.wait().await;
+    }
+
+    /// SIGTERM (a clean exit), and wait up to 10 s until it is gone; whether it exited 0.
+    pub async fn terminate(&mut self) -> bool {
+        signal(self.pid(), "TERM");
+        let exited = tokio::time::timeout(Duration::from_secs(10), self.child.wait()).await;
+        matches!(exited, Ok(Ok(status)) if status.success())
     }
 }
 

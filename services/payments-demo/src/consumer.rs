@@ -10,10 +10,19 @@
 //! been idle for `PAYMENTS_DEMO_CLAIM_IDLE` (default 5 s) any consumer of the group takes
 //! it over (`XAUTOCLAIM`), and `once` replays the stored receipt instead of paying again.
 //!
+//! A message that can never be paid — one Postgres refuses every time (an `orderId`
+//! holding `\u0000`), or whose processing always fails — is not redelivered forever: once
+//! it has been delivered `PAYMENTS_DEMO_MAX_DELIVERIES` times (default 5), it is moved to
+//! the dead-letter stream `PAYMENTS_DEMO_DEAD_LETTER` (default `<stream>:dead`, its fields
+//! plus `source_id` and `deliveries`) and acknowledged, logged once and counted in
+//! `payments_demo_dead_lettered_total` (`GET /metrics`). On a clean exit (SIGTERM) the
+//! consumer leaves its group (`XGROUP DELCONSUMER`) when it holds nothing pending, so the
+//! group's list of consumers does not grow with every restart.
+//!
 //! Environment: `PAYMENTS_DEMO_CONFIG` (a gateway config file: its `[redis] url` and
 //! `[idempotency]`), `PAYMENTS_DEMO_STREAM` (default `payments`; the records' endpoint is
 //! `stream:<name>`), `PAYMENTS_DEMO_CONSUMER` (default `<hostname>-<pid>`),
-//! `PAYMENTS_DEMO_CLAIM_IDLE`.
+//! `PAYMENTS_DEMO_CLAIM_IDLE`, `PAYMENTS_DEMO_MAX_DELIVERIES`, `PAYMENTS_DEMO_DEAD_LETTER`.
 
 use std::path::Path;
 use std::time::Duration;
@@ -50,6 +59,9 @@ pub(crate) struct Consumer {
     endpoint: String,
     name: String,
     claim_idle: Duration,
+    /// Deliveries after which a message that was never done goes to `dead_letter`.
+    max_deliveries: u64,
+    dead_letter: String,
     redis: redis::Client,
     idem: Idempotency,
 }
@@ -88,6 +100,20 @@ impl Consumer {
                 .with_context(|| format!("PAYMENTS_DEMO_CLAIM_IDLE={text:?}: expected e.g. 5s"))?,
             Err(_) => Duration::from_secs(5),
         };
+        let max_deliveries = match std::env::var("PAYMENTS_DEMO_MAX_DELIVERIES") {
+            Ok(text) => text
+                .parse::<u64>()
+                .ok()
+                .filter(|n| *n > 0)
+                .with_context(|| {
+                    format!(
+                        "PAYMENTS_DEMO_MAX_DELIVERIES={text:?}: expected a whole number above 0"
+                    )
+                })?,
+            Err(_) => 5,
+        };
+        let dead_letter =
+            std::env::var("PAYMENTS_DEMO_DEAD_LETTER").unwrap_or_else(|_| format!("{stream}:dead"));
         idem_embedded::migrate(&pool)
             .await
             .context("applying the idempotency migrations")?;
@@ -103,9 +129,20 @@ impl Consumer {
             stream,
             name,
             claim_idle,
+            max_deliveries,
+            dead_letter,
             redis,
             idem,
         })
+    }
+
+    /// What the process needs to leave the group on a clean exit.
+    pub(crate) fn membership(&self) -> Membership {
+        Membership {
+            redis: self.redis.clone(),
+            stream: self.stream.clone(),
+            name: self.name.clone(),
+        }
     }
 
     /// Consumes until the process ends; Redis errors are logged and retried.
@@ -153,6 +190,13 @@ impl Consumer {
                 .await?;
             cursor = claimed.next_stream_id;
             for message in &claimed.claimed {
+                // Taken over: delivered before, and never done. One that can never be
+                // done goes to the dead letters rather than round again forever.
+                let deliveries = self.deliveries(&mut conn, &message.id).await?;
+                if deliveries > self.max_deliveries {
+                    self.dead_letter(&mut conn, message, deliveries).await?;
+                    continue;
+                }
                 self.handle(&mut conn, message).await?;
             }
             let read: StreamReadReply = redis::cmd("XREADGROUP")
@@ -241,6 +285,68 @@ impl Consumer {
         self.ack(conn, message).await
     }
 
+    /// How many times the group has delivered `id` (this delivery included).
+    async fn deliveries(
+        &self,
+        conn: &mut MultiplexedConnection,
+        id: &str,
+    ) -> redis::RedisResult<u64> {
+        let pending: Vec<(String, String, u64, u64)> = redis::cmd("XPENDING")
+            .arg(&self.stream)
+            .arg(GROUP)
+            .arg(id)
+            .arg(id)
+            .arg(1)
+            .query_async(conn)
+            .await?;
+        Ok(pending
+            .first()
+            .map_or(1, |(_, _, _, deliveries)| *deliveries))
+    }
+
+    /// Moves a message delivered `deliveries` times, and never done, to the dead-letter
+    /// stream and acknowledges it, in one transaction: it is in exactly one of the two.
+    async fn dead_letter(
+        &self,
+        conn: &mut MultiplexedConnection,
+        message: &StreamId,
+        deliveries: u64,
+    ) -> redis::RedisResult<()> {
+        let mut entry: Vec<(String, Vec<u8>)> = message
+            .map
+            .iter()
+            .filter_map(|(field, value)| {
+                redis::from_redis_value::<Vec<u8>>(value.clone())
+                    .ok()
+                    .map(|bytes| (field.clone(), bytes))
+            })
+            .collect();
+        entry.push(("source_id".into(), message.id.clone().into_bytes()));
+        entry.push(("deliveries".into(), deliveries.to_string().into_bytes()));
+        let _: () = redis::pipe()
+            .atomic()
+            .cmd("XADD")
+            .arg(&self.dead_letter)
+            .arg("*")
+            .arg(&entry)
+            .ignore()
+            .cmd("XACK")
+            .arg(&self.stream)
+            .arg(GROUP)
+            .arg(&message.id)
+            .ignore()
+            .query_async(conn)
+            .await?;
+        idem_telemetry::metrics::counter!("payments_demo_dead_lettered_total").increment(1);
+        tracing::error!(
+            id = %message.id,
+            deliveries,
+            dead_letter = %self.dead_letter,
+            "delivered {deliveries} times and never done: moved to the dead letters (acknowledged)"
+        );
+        Ok(())
+    }
+
     async fn ack(
         &self,
         conn: &mut MultiplexedConnection,
@@ -252,6 +358,54 @@ impl Consumer {
             .arg(&message.id)
             .query_async(conn)
             .await
+    }
+}
+
+/// A consumer's place in its group, left on a clean exit.
+pub(crate) struct Membership {
+    redis: redis::Client,
+    stream: String,
+    name: String,
+}
+
+impl Membership {
+    /// Leaves the group (`XGROUP DELCONSUMER`) if this consumer holds nothing pending:
+    /// deleting a consumer drops what it holds from the group's pending list, and a
+    /// message committed but not yet acknowledged must stay there for another consumer to
+    /// take over.
+    pub(crate) async fn leave(self) {
+        let left = async {
+            let mut conn = self.redis.get_multiplexed_async_connection().await?;
+            let pending: Vec<(String, String, u64, u64)> = redis::cmd("XPENDING")
+                .arg(&self.stream)
+                .arg(GROUP)
+                .arg("-")
+                .arg("+")
+                .arg(1)
+                .arg(&self.name)
+                .query_async(&mut conn)
+                .await?;
+            if !pending.is_empty() {
+                return Ok::<_, redis::RedisError>(false);
+            }
+            let _: u64 = redis::cmd("XGROUP")
+                .arg("DELCONSUMER")
+                .arg(&self.stream)
+                .arg(GROUP)
+                .arg(&self.name)
+                .query_async(&mut conn)
+                .await?;
+            Ok(true)
+        };
+        match tokio::time::timeout(Duration::from_secs(2), left).await {
+            Ok(Ok(true)) => tracing::info!(consumer = %self.name, "left the group"),
+            Ok(Ok(false)) => tracing::info!(
+                consumer = %self.name,
+                "stays in the group: it holds messages pending, for another consumer to take over"
+            ),
+            Ok(Err(error)) => tracing::warn!(%error, "could not leave the group"),
+            Err(_) => tracing::warn!("could not leave the group within 2 s"),
+        }
     }
 }
 

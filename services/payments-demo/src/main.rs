@@ -151,20 +151,31 @@ async fn main() -> anyhow::Result<()> {
         .await
         .context("creating the demo tables")?;
 
+    let mut consuming = None;
     let app = match std::env::var("PAYMENTS_DEMO_MODE").as_deref() {
         Ok("upstream") | Err(_) => upstream_app(pool.clone()),
         Ok("embedded") => embedded::app(pool.clone()).await?,
         Ok("consumer") => {
             let consumer = consumer::Consumer::from_env(pool.clone()).await?;
+            let membership = consumer.membership();
+            let run = tokio::spawn(consumer.run());
+            let abort = run.abort_handle();
             tokio::spawn(async move {
                 // It never returns; a panic ends the process, to be restarted like any
                 // crashed consumer (what it left pending is taken over), rather than leave
                 // a process that answers /healthz and consumes nothing.
-                let ended = tokio::spawn(consumer.run()).await;
+                let ended = run.await;
+                if ended.as_ref().is_err_and(|e| e.is_cancelled()) {
+                    return;
+                }
                 tracing::error!(?ended, "the consumer stopped; exiting");
                 std::process::exit(1);
             });
-            Router::new().route("/healthz", get(|| async { "ok" }))
+            consuming = Some((abort, membership));
+            let metrics = idem_telemetry::prometheus();
+            Router::new()
+                .route("/healthz", get(|| async { "ok" }))
+                .route("/metrics", get(move || async move { metrics.render() }))
         }
         Ok(other) => anyhow::bail!(
             "PAYMENTS_DEMO_MODE={other:?}: expected \"upstream\", \"embedded\" or \"consumer\""
@@ -186,6 +197,12 @@ async fn main() -> anyhow::Result<()> {
             }
         })
         .await?;
+    // A clean exit: the consumer is stopped (a message cut off half way stays pending, for
+    // another consumer: then this one stays in the group) and leaves its group.
+    if let Some((consumer, membership)) = consuming {
+        consumer.abort();
+        membership.leave().await;
+    }
     telemetry.shutdown();
     Ok(())
 }
