@@ -135,3 +135,57 @@ async fn a_transactions_claim_and_completion_are_planned_once_per_connection_by_
         );
     }
 }
+
+/// A claim that waited on another transaction's claim of its key judges the record it
+/// then finds by the clock when it reads it, not by its transaction's start: a record
+/// that expired during the wait is taken over, never replayed past its `expires_at`. (On
+/// eee0432 `live!` compared with `now()`, the transaction's start: the claim got the
+/// expired record back, "Existing(Record { … Completed … })".)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_that_waited_never_replays_a_record_past_its_expiry() {
+    let db = TestDb::create().await;
+    db.migrate().await;
+    let fingerprint = Fingerprint::compute("POST", "/payments", BodyKind::Raw, b"x").unwrap();
+    let scope = scope("expires-during-the-wait");
+    // The first request claims the key with a short ttl and completes, uncommitted.
+    let mut conn = PgConnection::connect(&db.url).await.unwrap();
+    let first = AttemptId::random();
+    let mut tx = conn.begin().await.unwrap();
+    let claim = Claim {
+        ttl: Duration::from_millis(800),
+        ..claim_of(&scope, &fingerprint, first)
+    };
+    assert!(matches!(
+        claim_in(&mut tx, &claim).await,
+        ClaimResult::Claimed
+    ));
+    in_tx::complete(
+        &mut tx,
+        &scope,
+        first,
+        &fingerprint,
+        &response("{}"),
+        claim.ttl,
+    )
+    .await
+    .unwrap();
+    // A retry's claim waits on that uncommitted claim.
+    let retry = tokio::spawn({
+        let url = db.url.clone();
+        let scope = scope.clone();
+        async move {
+            let mut conn = PgConnection::connect(&url).await.unwrap();
+            let mut tx = conn.begin().await.unwrap();
+            let claim = claim_of(&scope, &fingerprint, AttemptId::random());
+            let claimed = claim_in(&mut tx, &claim).await;
+            tx.rollback().await.unwrap();
+            claimed
+        }
+    });
+    // Real time: Postgres's clock judges the expiry. The first commits once its record
+    // has expired.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    tx.commit().await.unwrap();
+    let claimed = retry.await.unwrap();
+    assert!(matches!(claimed, ClaimResult::Claimed), "{claimed:?}");
+}

@@ -116,14 +116,20 @@ impl Params {
 /// Lookups and listings a tenant may have in flight at once.
 pub(crate) const LOOKUPS_PER_TENANT: usize = 2;
 
+/// The operator's admin listings and lookups in flight at once: a share of their own.
+pub(crate) const OPERATOR_LOOKUPS: usize = 2;
+
 /// The share of the ledger lookups and listings may take, so that a tenant polling its
 /// keys (or a stolen token doing it for him) cannot take the pool from claims and
 /// completions: a few statements in all (a quarter of the pool), two per tenant. Beyond
 /// a tenant's share its lookup is 429 `tenant-concurrency-limited`, beyond the whole 503
-/// `overloaded`, both with `Retry-After` and at once.
+/// `overloaded`, both with `Retry-After` and at once. The operator's admin calls have
+/// [`OPERATOR_LOOKUPS`] places of their own besides: tenants flooding their lookups never
+/// take the admin API from the operator, who needs it most exactly then.
 #[derive(Debug)]
 pub struct LookupLimits {
     all: Semaphore,
+    operator: Semaphore,
     per_tenant: Mutex<HashMap<String, usize>>,
 }
 
@@ -139,12 +145,26 @@ impl LookupLimits {
     pub fn new(all: usize) -> Self {
         Self {
             all: Semaphore::new(all.max(1)),
+            operator: Semaphore::new(OPERATOR_LOOKUPS),
             per_tenant: Mutex::default(),
         }
     }
 
-    /// A place for one lookup of `tenant` (`None`: an operator's, counted in all only).
+    /// A place for one lookup of `tenant` (`None`: an operator's, from the operator's
+    /// own places).
     pub(crate) fn admit(&self, tenant: Option<&str>) -> Result<LookupPermit<'_>, Problem> {
+        let Some(tenant) = tenant else {
+            let place = self
+                .operator
+                .try_acquire()
+                .map_err(|_| Problem::Overloaded)?;
+            return Ok(LookupPermit {
+                limits: self,
+                tenant: None,
+                _all: place,
+            });
+        };
+        let tenant = Some(tenant);
         if let Some(tenant) = tenant {
             let mut busy = self.per_tenant.lock().expect("lookup limits");
             let mine = busy.entry(tenant.to_owned()).or_default();
@@ -192,6 +212,31 @@ impl Drop for LookupPermit<'_> {
 mod tests {
     use super::*;
 
+    /// Tenants that take every lookup place leave the operator's own. (On eee0432 the
+    /// operator's listing drew on the same places: "the operator's listing: Some(Overloaded)".)
+    #[test]
+    fn tenants_flooding_lookups_never_take_the_operators_places() {
+        let limits = LookupLimits::new(4);
+        let tenants: Vec<_> = ["a", "b", "c", "d"]
+            .iter()
+            .map(|t| limits.admit(Some(t)).expect("a tenant's lookup"))
+            .collect();
+        assert!(matches!(limits.admit(Some("e")), Err(Problem::Overloaded)));
+        let operator = limits.admit(None);
+        assert!(
+            operator.is_ok(),
+            "the operator's listing: {:?}",
+            operator.err()
+        );
+        let second = limits.admit(None);
+        assert!(second.is_ok());
+        assert!(
+            matches!(limits.admit(None), Err(Problem::Overloaded)),
+            "its own are bounded too"
+        );
+        drop(tenants);
+    }
+
     #[test]
     fn cursors_round_trip_and_strangers_are_refused() {
         let cursor = encode_cursor("POST /orders/{id}/refunds", "k-1");
@@ -235,11 +280,10 @@ mod tests {
         ));
         let b1 = limits.admit(Some("b")).unwrap();
         assert!(matches!(limits.admit(Some("c")), Err(Problem::Overloaded)));
-        assert!(matches!(limits.admit(None), Err(Problem::Overloaded)));
         drop(a1);
-        let operator = limits.admit(None).unwrap();
+        let c1 = limits.admit(Some("c")).unwrap();
         assert!(matches!(limits.admit(Some("a")), Err(Problem::Overloaded)));
-        drop((a2, b1, operator));
+        drop((a2, b1, c1));
         let _again = [
             limits.admit(Some("a")).unwrap(),
             limits.admit(Some("a")).unwrap(),

@@ -14,7 +14,9 @@
 //! A tenant holds at most a quarter of the budget ([`TENANT_SHARE`]), or one body if that
 //! is larger: one tenant's replays to clients that do not read (each holding its copy
 //! until `server.response_write_timeout`) cannot take the budget from every other
-//! tenant's.
+//! tenant's. And tenants that already hold bodies leave a quarter of the budget free
+//! between them: a tenant's first body may use it, its next ones may not — so a few noisy
+//! tenants, each within its quarter, cannot take it all from the rest either.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -135,11 +137,19 @@ struct Share {
 }
 
 impl Share {
-    /// `len` more bytes for `tenant`, if it holds none yet or they fit in `limit`.
-    fn take(tenants: &Tenants, tenant: &str, len: usize, limit: usize) -> Option<Self> {
+    /// `len` more bytes for `tenant`, if it holds none yet, or they fit in `limit` and
+    /// leave the reserve free (`leaves_reserve`): tenants that already hold bodies leave
+    /// it to those that hold none.
+    fn take(
+        tenants: &Tenants,
+        tenant: &str,
+        len: usize,
+        limit: usize,
+        leaves_reserve: impl FnOnce() -> bool,
+    ) -> Option<Self> {
         let mut held = tenants.lock().expect("bodies lock");
         let mine = held.get(tenant).copied().unwrap_or(0);
-        if mine > 0 && mine + len > limit {
+        if mine > 0 && (mine + len > limit || !leaves_reserve()) {
             return None;
         }
         *held.entry(tenant.to_owned()).or_default() += len;
@@ -288,7 +298,10 @@ impl Bodies {
             key: Some(key.clone()),
         };
         let limit = self.budget_bytes / TENANT_SHARE;
-        let share = Share::take(&self.tenants, &key.0.tenant, len, limit);
+        // A quarter of the budget stays free for tenants that hold nothing yet.
+        let reserve = kib(self.budget_bytes) as usize / TENANT_SHARE;
+        let leaves_reserve = || self.budget.available_permits() >= kib(len) as usize + reserve;
+        let share = Share::take(&self.tenants, &key.0.tenant, len, limit, leaves_reserve);
         let permit = share
             .as_ref()
             .and_then(|_| self.budget.clone().try_acquire_many_owned(kib(len)).ok());
@@ -338,6 +351,46 @@ struct Shared(Arc<LedgerError>);
 
 #[cfg(test)]
 mod tests {
+    use super::*;
+
+    const BODY: usize = 512 * 1024;
+
+    /// `tenant`'s read of its `n`th body of [`BODY`] bytes, held by the caller.
+    async fn read(bodies: &Bodies, tenant: &str, n: usize) -> Result<Bytes, LedgerError> {
+        let key = idem_core::IdempotencyKey::parse(format!("k-{n}").as_bytes()).unwrap();
+        let scope = Scope::new(tenant, "POST /payments", key);
+        bodies
+            .get((scope, Uuid::new_v4()), BODY, || async {
+                Ok(Some(vec![7; BODY]))
+            })
+            .await
+            .map(|body| body.expect("read"))
+    }
+
+    /// Tenants that already hold bodies leave a quarter of the budget to those that hold
+    /// none: four noisy tenants, each within its own quarter, cannot take it all. (On
+    /// eee0432 they could: "a quarter was kept: 8 bodies held".)
+    #[tokio::test]
+    async fn four_tenants_cannot_take_the_whole_replay_budget() {
+        let bodies = Bodies::new(4 * 1024 * 1024);
+        let mut held = Vec::new();
+        for tenant in ["a", "b", "c", "d"] {
+            for n in 0..2 {
+                // Each within its quarter (2 × 512 KiB = 1 MiB); some refused all the same.
+                if let Ok(body) = read(&bodies, tenant, n).await {
+                    held.push(body);
+                }
+            }
+        }
+        assert!(
+            held.len() < 8,
+            "a quarter was kept: {} bodies held",
+            held.len()
+        );
+        let fifth = read(&bodies, "e", 0).await;
+        assert!(fifth.is_ok(), "a fifth tenant's first replay: {fifth:?}");
+    }
+
     #[test]
     fn the_inline_limit_is_the_one_in_the_sql() {
         let sql = super::super::rules::record_columns!();

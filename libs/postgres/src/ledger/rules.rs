@@ -44,10 +44,12 @@ use std::time::{Duration, SystemTime};
 use idem_core::Fence;
 
 /// A live row: in progress (never expired, whatever its TTL), or completed and not yet
-/// expired.
+/// expired — judged when the row is read (`clock_timestamp()`), not when the transaction
+/// began (`now()`): a claim that waited on a row lock must not replay a record that
+/// expired during the wait.
 macro_rules! live {
     () => {
-        "(k.status = 'in_progress' OR k.expires_at > now())"
+        "(k.status = 'in_progress' OR k.expires_at > clock_timestamp())"
     };
 }
 /// The first attempt's lease is over: the reconciler may act.
