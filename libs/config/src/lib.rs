@@ -36,6 +36,7 @@ pub mod tenants;
 #[cfg(test)]
 mod tests;
 pub mod upstream;
+pub mod webhook;
 
 pub use admin::AdminConfig;
 pub use error::{ConfigError, ConfigErrors};
@@ -44,11 +45,12 @@ pub use idempotency::IdempotencyConfig;
 pub use postgres::PostgresConfig;
 pub use reconciler::ReconcilerConfig;
 pub use redis::RedisConfig;
-pub use routes::{Probe, Route, RouteKind, RouteTable, SecretSource, WEBHOOK_TTL, Webhook};
+pub use routes::{Probe, Route, RouteKind, RouteTable};
 pub use server::ServerConfig;
 pub use template::PathTemplate;
 pub use tenants::{Rate, TenantConfig, Tenants};
 pub use upstream::Upstream;
+pub use webhook::{SecretSource, WEBHOOK_TTL, Webhook};
 
 /// The validated configuration.
 #[derive(Debug, Clone)]

@@ -49,6 +49,7 @@
 
 mod answer;
 mod gate;
+pub mod job;
 pub mod layer;
 pub mod once;
 pub mod tx;
@@ -65,8 +66,8 @@ use idem_core::policy::{StatusEntry, StatusSet};
 use sqlx::PgPool;
 
 pub use idem_postgres::migrate;
+pub use job::{Job, Once, OnceError, Stored};
 pub use layer::{IdempotencyLayer, IdempotencyService};
-pub use once::{Job, Once, OnceError, Stored};
 pub use tx::Tx;
 
 /// Where the tenant of a request comes from. There is no default: a service chooses its

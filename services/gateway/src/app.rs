@@ -52,15 +52,54 @@ impl Default for BuildOptions {
     }
 }
 
+/// What `serve` and `check-config` check of a config before anything runs, one way for
+/// both: the auth keys it names, every webhook route's secrets (one that cannot be read
+/// would refuse every delivery; one file read by two schemes is refused), the admin
+/// token; and what they warn of.
+pub struct Preflight {
+    pub auth: Authenticator,
+    /// The admin API's token, when `admin.token_file` is set.
+    pub admin_token: Option<AdminToken>,
+    pub warnings: Vec<String>,
+}
+
+impl Preflight {
+    pub fn check(config: &Config) -> anyhow::Result<Self> {
+        let auth = Authenticator::from_config(&config.auth)?;
+        config.routes.check_webhook_secrets()?;
+        let admin_token = AdminToken::load(&config.admin)?;
+        let warnings = auth
+            .warnings()
+            .iter()
+            .cloned()
+            .chain(config.routes.warnings())
+            .collect();
+        Ok(Self {
+            auth,
+            admin_token,
+            warnings,
+        })
+    }
+}
+
+/// Whether the routes keep the endpoints the ledger holds keys under (`stored`): a route
+/// that spells one differently would forget its keys and execute their retries again.
+pub fn check_stored_endpoints(config: &Config, stored: &[String]) -> anyhow::Result<()> {
+    config
+        .routes
+        .check_renames(stored.iter().map(String::as_str))
+        .map_err(anyhow::Error::msg)
+        .context("routes")
+}
+
 impl Application {
     pub async fn build(config: Config, options: BuildOptions) -> anyhow::Result<Self> {
-        let auth = Authenticator::from_config(&config.auth)?;
-        for warning in auth.warnings() {
-            tracing::warn!("{warning}");
-        }
-        // A webhook route whose secrets cannot be read would refuse every delivery.
-        config.routes.check_webhook_secrets()?;
-        for warning in config.routes.warnings() {
+        let Preflight {
+            auth,
+            admin_token,
+            warnings,
+        } = Preflight::check(&config)?;
+        for warning in warnings {
             tracing::warn!("{warning}");
         }
         let key_refresh = auth.start().map(tokio_util::task::AbortOnDropHandle::new);
@@ -92,7 +131,7 @@ impl Application {
         let listener = TcpListener::bind(config.server.listen)
             .await
             .with_context(|| format!("binding server.listen = {}", config.server.listen))?;
-        let admin = match (config.admin.listen, AdminToken::load(&config.admin)?) {
+        let admin = match (config.admin.listen, admin_token) {
             (Some(at), Some(token)) => Some((
                 TcpListener::bind(at)
                     .await
@@ -109,11 +148,7 @@ impl Application {
             .stored_endpoints()
             .await
             .context("reading the endpoints stored in the ledger")?;
-        config
-            .routes
-            .check_renames(stored.iter().map(String::as_str))
-            .map_err(anyhow::Error::msg)
-            .context("routes")?;
+        check_stored_endpoints(&config, &stored)?;
         // Known before the first request: a gateway that just started is ready at once.
         let postgres_ready = Arc::new(AtomicBool::new(health::postgres_writable(&ledger).await));
         let readiness = tokio_util::task::AbortOnDropHandle::new(tokio::spawn(

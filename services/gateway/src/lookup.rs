@@ -198,7 +198,7 @@ impl From<&KeyInfo> for TenantKey {
             // An in-progress key is remembered until it is settled, whatever its TTL.
             expires_at: completed.then(|| time(&info.expires_at)),
             response_status: info.response_status,
-            trace_id: info.trace_context.as_deref().and_then(trace_id),
+            trace_id: crate::operator::trace_id(info).map(str::to_owned),
             safe_new_key: false,
         }
     }
@@ -214,24 +214,4 @@ pub struct TenantKeyPage {
 
 fn time(at: &DateTime<Utc>) -> String {
     at.to_rfc3339_opts(SecondsFormat::Millis, true)
-}
-
-/// The trace id of a stored W3C `traceparent` (`00-<trace id>-<span id>-<flags>`).
-fn trace_id(traceparent: &str) -> Option<String> {
-    let id = traceparent.split('-').nth(1)?;
-    (id.len() == 32 && id.bytes().all(|b| b.is_ascii_hexdigit())).then(|| id.to_owned())
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn the_trace_id_is_the_traceparents_second_field() {
-        assert_eq!(
-            trace_id("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01").as_deref(),
-            Some("4bf92f3577b34da6a3ce929d0e0e4736")
-        );
-        assert_eq!(trace_id("garbage"), None);
-    }
 }

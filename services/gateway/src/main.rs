@@ -170,156 +170,146 @@ async fn serve(config: Config, migrate: bool) -> anyhow::Result<()> {
 async fn run(command: Command) -> anyhow::Result<()> {
     match command {
         Command::Serve { .. } => unreachable!("main() reads the config and serves"),
-        Command::Migrate { config } => {
-            let pool = admin_pool(&load(&config.config)?).await?;
-            idem_postgres::migrate(&pool)
-                .await
-                .context("applying migrations")?;
-            println!("migrations applied");
-            Ok(())
-        }
-        Command::Keys { config, action } => {
-            let config = load(&config.config)?;
-            let ledger = idem_postgres::PgLedger::new(admin_pool(&config).await?, ADMIN_TIMEOUT);
-            match action {
-                KeysAction::Show { key, json } => {
-                    let scope = key.scope()?;
-                    let info = ledger.show(&scope).await?.with_context(|| {
-                        format!(
-                            "no record for {} {:?} {}",
-                            scope.tenant, scope.endpoint, scope.key
-                        )
-                    })?;
-                    if json {
-                        println!("{}", idemgate::operator::to_json(&info));
-                    } else {
-                        print!("{}", idemgate::operator::describe(&info));
-                    }
-                    Ok(())
-                }
-                KeysAction::List {
-                    held: _,
-                    limit,
-                    json,
-                } => {
-                    for info in ledger.list_held(limit).await? {
-                        if json {
-                            println!("{}", idemgate::operator::to_json(&info));
-                        } else {
-                            println!("{}", idemgate::operator::held_line(&info));
-                        }
-                    }
-                    Ok(())
-                }
-                KeysAction::Release {
-                    key,
-                    attempt,
-                    force,
-                    reason,
-                } => {
-                    let scope = key.scope()?;
-                    if config.routes.by_endpoint(&scope.endpoint).is_none() {
-                        tracing::warn!(endpoint = %scope.endpoint, "no configured route has this endpoint");
-                    }
-                    let attempt = idem_core::AttemptId(attempt);
-                    let named = format!("{} {:?} {}", scope.tenant, scope.endpoint, scope.key);
-                    use idem_postgres::OperatorRelease as R;
-                    let by = std::env::var("USER").unwrap_or_else(|_| "unknown".into());
-                    let done =
-                        idemgate::operator::release(&ledger, &scope, attempt, force, &by, &reason)
-                            .await?;
-                    match done {
-                        R::Released { forced } => {
-                            println!(
-                                "released {named}, attempt {attempt}{}",
-                                if forced {
-                                    ", inside its lease (forced: that attempt may still act)"
-                                } else {
-                                    ""
-                                }
-                            );
-                            Ok(())
-                        }
-                        refused => anyhow::bail!(
-                            "{}",
-                            idemgate::operator::why_unchanged(
-                                &refused,
-                                &named,
-                                attempt,
-                                "pass --force",
-                                " (see `keys show`)",
-                            )
-                            .unwrap_or_default()
-                        ),
-                    }
-                }
-            }
-        }
-        Command::CheckConfig { config: path } => {
-            let config = load(&path.config)?;
-            let auth = idem_auth::Authenticator::from_config(&config.auth)?;
-            for warning in auth.warnings() {
-                eprintln!("warning: {warning}");
-            }
-            config.routes.check_webhook_secrets()?;
-            for warning in config.routes.warnings() {
-                eprintln!("warning: {warning}");
-            }
-            config.admin.token()?;
-            // Against the ledger when it can be reached: a route must not rename an
-            // endpoint keys are stored under.
-            let stored = match admin_pool(&config).await {
-                Ok(pool) => idem_postgres::PgLedger::new(pool, ADMIN_TIMEOUT)
-                    .stored_endpoints()
-                    .await
-                    .map_err(anyhow::Error::new),
-                Err(e) => Err(e),
-            };
-            match stored {
-                Ok(stored) => config
-                    .routes
-                    .check_renames(stored.iter().map(String::as_str))
-                    .map_err(anyhow::Error::msg)
-                    .context("routes")?,
-                Err(e) => eprintln!(
-                    "note: endpoints stored in the ledger not checked against the routes: {e:#}"
-                ),
-            }
-            println!(
-                "{}: OK ({} route(s): {})",
-                path.config.display(),
-                config.routes.routes().len(),
-                config
-                    .routes
-                    .routes()
-                    .iter()
-                    .map(|r| r.endpoint.as_str())
-                    .collect::<Vec<_>>()
-                    .join(", ")
-            );
-            Ok(())
-        }
+        Command::Migrate { config } => migrate(&load(&config.config)?).await,
+        Command::Keys { config, action } => keys(&load(&config.config)?, action).await,
+        Command::CheckConfig { config } => check_config(&config.config).await,
         Command::Token {
             config,
             tenant,
             ttl,
+        } => token(&load(&config.config)?, &tenant, ttl.into()),
+    }
+}
+
+async fn migrate(config: &Config) -> anyhow::Result<()> {
+    let pool = admin_pool(config).await?;
+    idem_postgres::migrate(&pool)
+        .await
+        .context("applying migrations")?;
+    println!("migrations applied");
+    Ok(())
+}
+
+/// `keys show | list --held | release`.
+async fn keys(config: &Config, action: KeysAction) -> anyhow::Result<()> {
+    let ledger = idem_postgres::PgLedger::new(admin_pool(config).await?, ADMIN_TIMEOUT);
+    match action {
+        KeysAction::Show { key, json } => {
+            let scope = key.scope()?;
+            let info = ledger.show(&scope).await?.with_context(|| {
+                format!(
+                    "no record for {} {:?} {}",
+                    scope.tenant, scope.endpoint, scope.key
+                )
+            })?;
+            if json {
+                println!("{}", idemgate::operator::to_json(&info));
+            } else {
+                print!("{}", idemgate::operator::describe(&info));
+            }
+        }
+        KeysAction::List {
+            held: _,
+            limit,
+            json,
         } => {
-            let config = load(&config.config)?;
-            let secret = config.auth.hs256_secret.as_ref().context(
-                "auth.hs256_secret: `idemgate token` mints HS256 dev tokens and needs it set",
-            )?;
-            let token = idem_auth::mint_hs256(
-                secret,
-                &config.auth.tenant_claim,
-                &tenant,
-                ttl.into(),
-                config.auth.issuer.as_deref(),
-                config.auth.audience.as_deref(),
-            )?;
-            println!("{token}");
-            Ok(())
+            for info in ledger.list_held(limit).await? {
+                if json {
+                    println!("{}", idemgate::operator::to_json(&info));
+                } else {
+                    println!("{}", idemgate::operator::held_line(&info));
+                }
+            }
+        }
+        KeysAction::Release {
+            key,
+            attempt,
+            force,
+            reason,
+        } => {
+            let scope = key.scope()?;
+            if config.routes.by_endpoint(&scope.endpoint).is_none() {
+                tracing::warn!(endpoint = %scope.endpoint, "no configured route has this endpoint");
+            }
+            let attempt = idem_core::AttemptId(attempt);
+            let named = format!("{} {:?} {}", scope.tenant, scope.endpoint, scope.key);
+            let by = std::env::var("USER").unwrap_or_else(|_| "unknown".into());
+            let done =
+                idemgate::operator::release(&ledger, &scope, attempt, force, &by, &reason).await?;
+            let idem_postgres::OperatorRelease::Released { forced } = done else {
+                anyhow::bail!(
+                    "{}",
+                    idemgate::operator::why_unchanged(
+                        &done,
+                        &named,
+                        attempt,
+                        "pass --force",
+                        " (see `keys show`)",
+                    )
+                    .unwrap_or_default()
+                );
+            };
+            println!(
+                "released {named}, attempt {attempt}{}",
+                if forced {
+                    ", inside its lease (forced: that attempt may still act)"
+                } else {
+                    ""
+                }
+            );
         }
     }
+    Ok(())
+}
+
+/// What `serve` would refuse, refused the same way ([`idemgate::app::Preflight`]), and
+/// the endpoints stored in the ledger when it can be reached.
+async fn check_config(path: &Path) -> anyhow::Result<()> {
+    let config = load(path)?;
+    let preflight = idemgate::app::Preflight::check(&config)?;
+    for warning in &preflight.warnings {
+        eprintln!("warning: {warning}");
+    }
+    let stored = match admin_pool(&config).await {
+        Ok(pool) => idem_postgres::PgLedger::new(pool, ADMIN_TIMEOUT)
+            .stored_endpoints()
+            .await
+            .map_err(anyhow::Error::new),
+        Err(e) => Err(e),
+    };
+    match stored {
+        Ok(stored) => idemgate::app::check_stored_endpoints(&config, &stored)?,
+        Err(e) => {
+            eprintln!("note: endpoints stored in the ledger not checked against the routes: {e:#}")
+        }
+    }
+    let routes = config.routes.routes();
+    let endpoints: Vec<&str> = routes.iter().map(|r| r.endpoint.as_str()).collect();
+    println!(
+        "{}: OK ({} route(s): {})",
+        path.display(),
+        routes.len(),
+        endpoints.join(", ")
+    );
+    Ok(())
+}
+
+/// A development token for `tenant`, signed with `auth.hs256_secret`.
+fn token(config: &Config, tenant: &str, ttl: std::time::Duration) -> anyhow::Result<()> {
+    let secret =
+        config.auth.hs256_secret.as_ref().context(
+            "auth.hs256_secret: `idemgate token` mints HS256 dev tokens and needs it set",
+        )?;
+    let token = idem_auth::mint_hs256(
+        secret,
+        &config.auth.tenant_claim,
+        tenant,
+        ttl,
+        config.auth.issuer.as_deref(),
+        config.auth.audience.as_deref(),
+    )?;
+    println!("{token}");
+    Ok(())
 }
 
 /// The longest one administrative statement may take.

@@ -197,9 +197,12 @@ pub fn held_line(info: &KeyInfo) -> String {
     )
 }
 
-/// The trace id of the first execution's `traceparent` (`00-<trace id>-<span>-<flags>`).
-fn trace_id(info: &KeyInfo) -> Option<&str> {
-    info.trace_context.as_deref()?.split('-').nth(1)
+/// The trace id of the first execution's stored W3C `traceparent` (`00-<trace id>-<span
+/// id>-<flags>`): 32 hex digits, or none — what the CLI, the admin API and the tenant's
+/// lookup all show.
+pub fn trace_id(info: &KeyInfo) -> Option<&str> {
+    let id = info.trace_context.as_deref()?.split('-').nth(1)?;
+    (id.len() == 32 && id.bytes().all(|b| b.is_ascii_hexdigit())).then_some(id)
 }
 
 /// An operator's release of `attempt`'s key, the one way both the CLI and the admin API
@@ -264,4 +267,48 @@ pub fn why_unchanged(
                 .to_rfc3339_opts(chrono::SecondsFormat::Millis, true))
         ),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn info() -> KeyInfo {
+        let at = chrono::DateTime::UNIX_EPOCH;
+        KeyInfo {
+            tenant: "acme".into(),
+            endpoint: "POST /payments".into(),
+            key: "k".into(),
+            status: "completed".into(),
+            attempt: uuid::Uuid::nil(),
+            created_at: at,
+            completed_at: Some(at),
+            locked_until: None,
+            expires_at: at,
+            held_since: None,
+            response_status: Some(201),
+            response_bytes: Some(2),
+            response_omitted: false,
+            probe_attempts: 0,
+            first_not_found_at: None,
+            trace_context: None,
+            held: false,
+        }
+    }
+
+    #[test]
+    fn the_trace_id_is_the_traceparents_second_field_when_it_is_one() {
+        let with = |trace_context: &str| KeyInfo {
+            trace_context: Some(trace_context.to_owned()),
+            ..info()
+        };
+        assert_eq!(
+            trace_id(&with(
+                "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+            )),
+            Some("4bf92f3577b34da6a3ce929d0e0e4736")
+        );
+        assert_eq!(trace_id(&with("garbage")), None);
+        assert_eq!(trace_id(&with("00-not-hex-01")), None);
+    }
 }
