@@ -56,6 +56,15 @@ fn connection_named(headers: &HeaderMap) -> Vec<HeaderName> {
         .collect()
 }
 
+/// Whether a client's `Prefer` (RFC 7240) names the preference `token` (`respond-async`),
+/// among its others.
+pub fn prefers(headers: &HeaderMap, token: &str) -> bool {
+    list(headers, PREFER).any(|item| {
+        let name = item.split(['=', ';']).next().unwrap_or("").trim();
+        name.eq_ignore_ascii_case(token)
+    })
+}
+
 /// A client's `Prefer: wait=N` (RFC 7240), among its other preferences.
 pub fn preferred_wait(headers: &HeaderMap) -> Option<Duration> {
     seconds(headers, PREFER, "wait")

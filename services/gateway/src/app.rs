@@ -308,6 +308,15 @@ pub fn router(state: Arc<AppState>) -> Router {
                     observe::observe,
                 )),
         )
+        .route(
+            &format!("{}/{{key}}/result", lookup::KEYS),
+            get(lookup::result)
+                .fallback(not_here)
+                .layer(axum::middleware::from_fn_with_state(
+                    state.clone(),
+                    observe::observe,
+                )),
+        )
         // Limits first (their refusals are counted, not traced), then the span, the
         // metrics and the log line around the request itself.
         .fallback(handler::handle.layer(axum::middleware::from_fn_with_state(

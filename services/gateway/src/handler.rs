@@ -255,7 +255,13 @@ async fn run(
         }
     };
     let wait = policy.wait_for(h::preferred_wait(&parts.headers));
+    // `Prefer: respond-async`: a client that will not wait for the upstream is answered
+    // 202 with its result's `Location` once its claim is made, the execution going on.
+    let respond_async =
+        matches!(route.kind(), RouteKind::Keyed) && h::prefers(&parts.headers, "respond-async");
     let scope = Scope::new(tenant.clone(), route.endpoint.clone(), key.clone());
+    // Kept for a 202's lookup once the task has the scope.
+    let handle = respond_async.then(|| scope.clone());
     let span = Span::current();
     // Stored with the claim, so retries can link to this execution's span.
     let trace_context = propagation::traceparent(&span).or_else(|| client_trace.clone());
@@ -274,47 +280,66 @@ async fn run(
         // Claim, forward and store in a task of its own: a client that hangs up drops
         // this handler's future, and must not cancel the forward-and-store half way.
         None => {
-            let (app, route, gone) = (app.clone(), route.clone(), gone.clone());
-            let ran = app
-                .tasks
-                .clone()
-                .spawn(
-                    async move {
-                        let _holds = holds;
-                        let request = idem_core::Request {
-                            scope: &scope,
-                            fingerprint: &fingerprint,
-                            policy: &policy,
-                            wait,
-                            trace_context: trace_context.as_deref(),
-                            gone: Some(&gone),
-                        };
-                        let sent = Sent {
-                            parts: &parts,
-                            tenant: &tenant,
-                            key: Some(&key),
-                            traceparent: client_trace.as_deref(),
-                        };
-                        let execute = |attempt| execute(&app, &route, &sent, body, attempt);
-                        let outcome = app.engine.run(request, execute).await;
-                        // Counted here, not once the client hears: a fenced completion
-                        // mostly follows a stall long enough for the client to give up.
-                        match &outcome {
-                            Ok(Outcome::Executed {
-                                expires_at: None, ..
-                            }) => {
-                                app.fenced.fetch_add(1, Ordering::Relaxed);
-                            }
-                            Ok(Outcome::Unknown(UnknownCause::Ledger)) => {
-                                app.unrecorded.fetch_add(1, Ordering::Relaxed);
-                            }
-                            _ => {}
+            let (claimed, on_claim) = tokio::sync::oneshot::channel::<()>();
+            let async_wait = h::preferred_wait(&parts.headers)
+                .unwrap_or_default()
+                .min(policy.wait_timeout);
+            let (task_app, route, gone) = (app.clone(), route.clone(), gone.clone());
+            let mut ran = app.tasks.clone().spawn(
+                async move {
+                    let _holds = holds;
+                    let request = idem_core::Request {
+                        scope: &scope,
+                        fingerprint: &fingerprint,
+                        policy: &policy,
+                        wait,
+                        trace_context: trace_context.as_deref(),
+                        gone: Some(&gone),
+                    };
+                    let sent = Sent {
+                        parts: &parts,
+                        tenant: &tenant,
+                        key: Some(&key),
+                        traceparent: client_trace.as_deref(),
+                    };
+                    let execute = |attempt| {
+                        // This request won the claim: it executes.
+                        let _ = claimed.send(());
+                        execute(&task_app, &route, &sent, body, attempt)
+                    };
+                    let outcome = task_app.engine.run(request, execute).await;
+                    // Counted here, not once the client hears: a fenced completion
+                    // mostly follows a stall long enough for the client to give up.
+                    match &outcome {
+                        Ok(Outcome::Executed {
+                            expires_at: None, ..
+                        }) => {
+                            task_app.fenced.fetch_add(1, Ordering::Relaxed);
                         }
-                        outcome
+                        Ok(Outcome::Unknown(UnknownCause::Ledger)) => {
+                            task_app.unrecorded.fetch_add(1, Ordering::Relaxed);
+                        }
+                        _ => {}
                     }
-                    .instrument(span.clone()),
-                )
-                .await;
+                    outcome
+                }
+                .instrument(span.clone()),
+            );
+            let ran = if respond_async {
+                tokio::select! {
+                    ran = &mut ran => ran,
+                    Ok(()) = on_claim => {
+                        // Claimed: its answer if it comes within the client's wait, else
+                        // 202 and the execution goes on in its task.
+                        match tokio::time::timeout(async_wait, &mut ran).await {
+                            Ok(ran) => ran,
+                            Err(_) => return respond_accepted(&app, handle.as_ref()).await,
+                        }
+                    }
+                }
+            } else {
+                ran.await
+            };
             match ran {
                 Ok(Ok(outcome)) => outcome,
                 Ok(Err(error)) if error.is_busy() => {
@@ -336,7 +361,11 @@ async fn run(
         }
     };
 
-    // Respond.
+    // Respond. A client that prefers not to wait is told where the running operation's
+    // result will be, instead of 409.
+    if respond_async && matches!(outcome, Outcome::InProgress { .. }) {
+        return respond_accepted(&app, handle.as_ref()).await;
+    }
     let name = outcome.name();
     if let Some(first) = outcome.first_execution() {
         // One click from this retry's trace to the first execution.
@@ -345,6 +374,22 @@ async fn run(
     span.record("idempotency.outcome", name);
     let response = respond(outcome, &route, wait);
     Ok((axum::Extension(observe::OutcomeLabel(name)), response).into_response())
+}
+
+/// 202 for `Prefer: respond-async`: the lookup's JSON, `Location` and `Retry-After`, and
+/// `Preference-Applied: respond-async`.
+async fn respond_accepted(app: &AppState, scope: Option<&Scope>) -> Result<Response, Problem> {
+    let mut response = crate::lookup::accepted(app, scope.ok_or(Problem::Internal)?).await?;
+    response.headers_mut().insert(
+        h::PREFERENCE_APPLIED,
+        http::HeaderValue::from_static("respond-async"),
+    );
+    Span::current().record("idempotency.outcome", "in_progress");
+    Ok((
+        axum::Extension(observe::OutcomeLabel("in_progress")),
+        response,
+    )
+        .into_response())
 }
 
 /// A proxied answer's body, holding the request's places until it has been sent (or its

@@ -7,6 +7,10 @@
 //!   (the lookup only ever reads the caller's own scope).
 //! - `GET /_idemgate/v1/keys?endpoint=…&state=…&limit=…&cursor=…` → a page of the
 //!   tenant's live keys in key order, and the cursor of the next page (`null` at the end).
+//! - `GET /_idemgate/v1/keys/{key}/result?endpoint=…` → the operation's handle: its stored
+//!   answer byte for byte once completed (`Idempotent-Replayed: true`), 202 with the
+//!   lookup's JSON and `Retry-After` while it runs or is held, the lookup's 404 otherwise.
+//!   Where `Prefer: respond-async` answers 202, its `Location` points here ([`location`]).
 
 use std::sync::Arc;
 
@@ -15,7 +19,8 @@ use axum::extract::rejection::PathRejection;
 use axum::extract::{Path, RawQuery, State};
 use axum::response::{IntoResponse, Response};
 use chrono::{DateTime, SecondsFormat, Utc};
-use idem_core::{IdempotencyKey, Scope};
+use http::{HeaderValue, StatusCode, header};
+use idem_core::{IdempotencyKey, Ledger as _, RecordState, Scope};
 use idem_postgres::ledger::KeyInfo;
 use serde::Serialize;
 use utoipa::ToSchema;
@@ -33,6 +38,22 @@ pub const KEYS: &str = "/_idemgate/v1/keys";
 /// a request whose answer names no outcome counts as an `error`).
 const LOOKUP: axum::Extension<crate::observe::OutcomeLabel> =
     axum::Extension(crate::observe::OutcomeLabel("lookup"));
+
+/// The scope a lookup names: the caller's tenant, the `endpoint` query parameter, the
+/// key in the path.
+fn scope_of(
+    tenant: String,
+    key: Result<Path<String>, PathRejection>,
+    query: Option<&str>,
+) -> Result<Scope, Problem> {
+    let Path(key) = key.map_err(|e| invalid(&e.body_text()))?;
+    let params = Params::parse(query, &["endpoint"])?;
+    let endpoint = params
+        .endpoint
+        .ok_or_else(|| invalid("`endpoint` is required, e.g. endpoint=POST%20%2Fpayments"))?;
+    let key = IdempotencyKey::parse(key.as_bytes()).map_err(|e| invalid(&e.to_string()))?;
+    Ok(Scope::new(tenant, endpoint, key))
+}
 
 /// `GET /_idemgate/v1/keys/{key}?endpoint=…`.
 #[utoipa::path(
@@ -61,13 +82,7 @@ pub async fn show(
 ) -> Result<Response, Problem> {
     let _quota = app.tenants.admit(&tenant)?;
     let _share = app.lookups.admit(Some(&tenant))?;
-    let Path(key) = key.map_err(|e| invalid(&e.body_text()))?;
-    let params = Params::parse(query.as_deref(), &["endpoint"])?;
-    let endpoint = params
-        .endpoint
-        .ok_or_else(|| invalid("`endpoint` is required, e.g. endpoint=POST%20%2Fpayments"))?;
-    let key = IdempotencyKey::parse(key.as_bytes()).map_err(|e| invalid(&e.to_string()))?;
-    let scope = Scope::new(tenant, endpoint, key);
+    let scope = scope_of(tenant, key, query.as_deref())?;
     match app.engine.ledger().lookup(&scope).await {
         Ok(Some(info)) => Ok((LOOKUP, Json(TenantKey::from(&info))).into_response()),
         Ok(None) => Err(Problem::KeyNotFound),
@@ -76,6 +91,108 @@ pub async fn show(
             Err(Problem::LedgerUnavailable)
         }
     }
+}
+
+/// How long a client is told to wait before it asks for a running operation's result
+/// again.
+const RESULT_RETRY_AFTER: u64 = 1;
+
+/// `GET /_idemgate/v1/keys/{key}/result?endpoint=…`.
+#[utoipa::path(
+    get,
+    path = "/_idemgate/v1/keys/{key}/result",
+    tag = "lookup",
+    security(("tenant_token" = [])),
+    params(
+        ("key" = String, Path, description = "The Idempotency-Key, as sent", pattern = r#"^[!#-+\--~][!-+\--~]{0,254}$"#),
+        ("endpoint" = String, Query, description = "The route's endpoint, e.g. `POST /payments`", pattern = r"^[^\u0000]*$"),
+    ),
+    responses(
+        (status = 200, description = "Completed: the operation's stored answer, byte for byte (any status the upstream answered), with `Idempotent-Replayed: true`"),
+        (status = 202, description = "Still running, or held until its outcome is known: ask again after `Retry-After`", body = TenantKey),
+        (status = 400, description = "A bad key or query", body = ProblemDoc, content_type = "application/problem+json"),
+        (status = 401, description = "No valid tenant token", body = ProblemDoc, content_type = "application/problem+json"),
+        (status = 404, description = "No live record of this key for this tenant and endpoint (also another tenant's key)", body = ProblemDoc, content_type = "application/problem+json"),
+        (status = 410, description = "Completed, but its answer was too large to keep", body = ProblemDoc, content_type = "application/problem+json"),
+        (status = 429, description = "The tenant is over its quota", body = ProblemDoc, content_type = "application/problem+json"),
+        (status = 503, description = "The ledger is unavailable", body = ProblemDoc, content_type = "application/problem+json"),
+    ),
+)]
+pub async fn result(
+    State(app): State<Arc<AppState>>,
+    Tenant(tenant): Tenant,
+    key: Result<Path<String>, PathRejection>,
+    RawQuery(query): RawQuery,
+) -> Result<Response, Problem> {
+    let _quota = app.tenants.admit(&tenant)?;
+    let _share = app.lookups.admit(Some(&tenant))?;
+    let scope = scope_of(tenant, key, query.as_deref())?;
+    let ledger = app.engine.ledger();
+    let record = ledger.get(&scope).await.map_err(|error| {
+        if error.is_busy() {
+            return Problem::Overloaded;
+        }
+        tracing::error!(%error, "result lookup failed");
+        Problem::LedgerUnavailable
+    })?;
+    let Some(record) = record else {
+        return Err(Problem::KeyNotFound);
+    };
+    match record.state {
+        RecordState::Completed(stored) => {
+            let mut answer = idem_http::answer::replay(stored);
+            if let Some(at) = record.expires_at {
+                idem_http::answer::set_expires(&mut answer, at);
+            }
+            Ok((LOOKUP, answer).into_response())
+        }
+        RecordState::InProgress { .. } => {
+            Ok((LOOKUP, accepted(&app, &scope).await?).into_response())
+        }
+    }
+}
+
+/// 202: the operation runs (or is held until its outcome is known), with the lookup's
+/// JSON, `Retry-After` and the `Location` of its result — what `Prefer: respond-async`
+/// answers, and the result while there is none yet.
+pub(crate) async fn accepted(app: &AppState, scope: &Scope) -> Result<Response, Problem> {
+    let info = app.engine.ledger().lookup(scope).await.map_err(|error| {
+        tracing::error!(%error, "key lookup failed");
+        Problem::LedgerUnavailable
+    })?;
+    // Gone meanwhile (released, or completed and purged): ask the handle again.
+    let Some(info) = info else {
+        return Err(Problem::KeyNotFound);
+    };
+    let mut response = (StatusCode::ACCEPTED, Json(TenantKey::from(&info))).into_response();
+    let headers = response.headers_mut();
+    headers.insert(header::RETRY_AFTER, HeaderValue::from(RESULT_RETRY_AFTER));
+    if let Ok(at) = HeaderValue::from_str(&location(scope)) {
+        headers.insert(header::LOCATION, at);
+    }
+    Ok(response)
+}
+
+/// Where a key's result is asked for: its path segment and endpoint percent-encoded.
+pub fn location(scope: &Scope) -> String {
+    format!(
+        "{KEYS}/{}/result?endpoint={}",
+        encode(scope.key.as_str()),
+        encode(&scope.endpoint)
+    )
+}
+
+/// Every byte but RFC 3986's unreserved ones as `%XX`.
+fn encode(text: &str) -> String {
+    let mut encoded = String::with_capacity(text.len() * 3);
+    for byte in text.bytes() {
+        if byte.is_ascii_alphanumeric() || matches!(byte, b'-' | b'.' | b'_' | b'~') {
+            encoded.push(byte as char);
+        } else {
+            encoded.push_str(&format!("%{byte:02X}"));
+        }
+    }
+    encoded
 }
 
 /// `GET /_idemgate/v1/keys?endpoint=…&state=…&limit=…&cursor=…`.

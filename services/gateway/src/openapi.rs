@@ -20,6 +20,7 @@ use crate::{admin, lookup, operator};
     ),
     paths(
         lookup::show,
+        lookup::result,
         lookup::list,
         admin::show,
         admin::list,

@@ -4,6 +4,7 @@
 mod common;
 
 use std::collections::HashSet;
+use std::time::Duration;
 
 use common::*;
 use http::StatusCode;
@@ -493,4 +494,65 @@ async fn health_endpoints_need_no_token() {
     let ready = http.get(&gw.url("/readyz")).send().await;
     assert_eq!(ready.status, StatusCode::OK);
     assert_eq!(ready.json()["postgres"], "up");
+}
+
+/// `Prefer: respond-async` (operation handles): a payment slower than the client will
+/// wait is answered 202 with its result's `Location` once claimed; the execution goes on,
+/// once; a retry with the header is 202 too (not 409); the result is 202 while it runs,
+/// then the stored answer byte for byte; another tenant's handle is the lookup's 404, byte
+/// for byte. (On 365c95c the first request waited for the payment: "left: 201, right: 202".)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_payment_that_outlives_its_client_is_answered_202_and_its_result_fetched_later() {
+    let (db, gw, http) = setup().await;
+    let key = new_key();
+    let body = payment("o-async", 100);
+    let pay = || {
+        http.pay(&gw.url("/payments"), "acme", &key, &body)
+            .header("prefer", "respond-async")
+            .demo_delay(1500)
+    };
+    let accepted = pay().send().await;
+    assert_eq!(accepted.status, StatusCode::ACCEPTED, "{:?}", accepted.body);
+    assert_eq!(accepted.header("preference-applied"), Some("respond-async"));
+    let location = accepted.header("location").expect("Location").to_owned();
+    assert_eq!(
+        location,
+        format!("/_idemgate/v1/keys/{key}/result?endpoint=POST%20%2Fpayments")
+    );
+    assert_eq!(accepted.json()["state"], "in_progress");
+    let again = pay().send().await;
+    assert_eq!(again.status, StatusCode::ACCEPTED, "a retry while it runs");
+
+    let result = |tenant: &'static str| http.get(&gw.url(&location)).tenant(tenant).send();
+    let running = result("acme").await;
+    assert_eq!(running.status, StatusCode::ACCEPTED);
+    assert!(running.header("retry-after").is_some());
+    let settled = loop {
+        let answer = result("acme").await;
+        if answer.status != StatusCode::ACCEPTED {
+            break answer;
+        }
+        // Real time: the payment takes the demo's 1.5 s.
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert_eq!(settled.status, StatusCode::CREATED, "{:?}", settled.body);
+    assert!(settled.replayed());
+    let retry = http
+        .pay(&gw.url("/payments"), "acme", &key, &body)
+        .send()
+        .await;
+    assert_eq!(settled.body, retry.body, "the stored answer, byte for byte");
+    assert_eq!(db.executions("demo_payments", "acme", &key).await, 1);
+
+    let theirs = result("globex").await;
+    let unknown = http
+        .get(&gw.url(&location.replace(key.as_str(), "never-used")))
+        .tenant("globex")
+        .send()
+        .await;
+    assert_eq!(theirs.status, StatusCode::NOT_FOUND);
+    assert_eq!(
+        theirs.body, unknown.body,
+        "another tenant's handle is the lookup's 404"
+    );
 }
