@@ -290,32 +290,14 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/readyz", get(health::readyz))
         .route("/metrics", get(metrics::scrape))
         // The tenant's own lookup of its keys (docs/tenants.md), traced and counted as requests.
-        .route(
-            lookup::KEYS,
-            get(lookup::list)
-                .fallback(not_here)
-                .layer(axum::middleware::from_fn_with_state(
-                    state.clone(),
-                    observe::observe,
-                )),
-        )
+        .route(lookup::KEYS, lookup_route(lookup::list, &state))
         .route(
             &format!("{}/{{key}}", lookup::KEYS),
-            get(lookup::show)
-                .fallback(not_here)
-                .layer(axum::middleware::from_fn_with_state(
-                    state.clone(),
-                    observe::observe,
-                )),
+            lookup_route(lookup::show, &state),
         )
         .route(
             &format!("{}/{{key}}/result", lookup::KEYS),
-            get(lookup::result)
-                .fallback(not_here)
-                .layer(axum::middleware::from_fn_with_state(
-                    state.clone(),
-                    observe::observe,
-                )),
+            lookup_route(lookup::result, &state),
         )
         // Limits first (their refusals are counted, not traced), then the span, the
         // metrics and the log line around the request itself.
@@ -328,6 +310,23 @@ pub fn router(state: Arc<AppState>) -> Router {
             limits::enforce,
         ))
         .with_state(state)
+}
+
+/// A lookup path: `GET` only (405 otherwise), traced and counted as requests.
+fn lookup_route<H, T>(
+    handler: H,
+    state: &Arc<AppState>,
+) -> axum::routing::MethodRouter<Arc<AppState>>
+where
+    H: Handler<T, Arc<AppState>>,
+    T: 'static,
+{
+    get(handler)
+        .fallback(not_here)
+        .layer(axum::middleware::from_fn_with_state(
+            state.clone(),
+            observe::observe,
+        ))
 }
 
 /// Another method on the lookup's paths: 405, naming the one they answer.

@@ -39,6 +39,32 @@ pub const KEYS: &str = "/_idemgate/v1/keys";
 const LOOKUP: axum::Extension<crate::observe::OutcomeLabel> =
     axum::Extension(crate::observe::OutcomeLabel("lookup"));
 
+/// A lookup of one key let in: its tenant's quota and its share of the ledger taken (held
+/// for as long as this lives), and the scope it names.
+struct OneKey<'a> {
+    scope: Scope,
+    _quota: Option<crate::tenants::TenantPermit>,
+    _share: crate::listing::LookupPermit<'a>,
+}
+
+impl<'a> OneKey<'a> {
+    fn admit(
+        app: &'a AppState,
+        tenant: String,
+        key: Result<Path<String>, PathRejection>,
+        query: Option<&str>,
+    ) -> Result<Self, Problem> {
+        let _quota = app.tenants.admit(&tenant)?;
+        let _share = app.lookups.admit(Some(&tenant))?;
+        let scope = scope_of(tenant, key, query)?;
+        Ok(Self {
+            scope,
+            _quota,
+            _share,
+        })
+    }
+}
+
 /// The scope a lookup names: the caller's tenant, the `endpoint` query parameter, the
 /// key in the path.
 fn scope_of(
@@ -80,10 +106,8 @@ pub async fn show(
     key: Result<Path<String>, PathRejection>,
     RawQuery(query): RawQuery,
 ) -> Result<Response, Problem> {
-    let _quota = app.tenants.admit(&tenant)?;
-    let _share = app.lookups.admit(Some(&tenant))?;
-    let scope = scope_of(tenant, key, query.as_deref())?;
-    match app.engine.ledger().lookup(&scope).await {
+    let one = OneKey::admit(&app, tenant, key, query.as_deref())?;
+    match app.engine.ledger().lookup(&one.scope).await {
         Ok(Some(info)) => Ok((LOOKUP, Json(TenantKey::from(&info))).into_response()),
         Ok(None) => Err(Problem::KeyNotFound),
         Err(error) => {
@@ -124,11 +148,9 @@ pub async fn result(
     key: Result<Path<String>, PathRejection>,
     RawQuery(query): RawQuery,
 ) -> Result<Response, Problem> {
-    let _quota = app.tenants.admit(&tenant)?;
-    let _share = app.lookups.admit(Some(&tenant))?;
-    let scope = scope_of(tenant, key, query.as_deref())?;
-    let ledger = app.engine.ledger();
-    let record = ledger.get(&scope).await.map_err(|error| {
+    let one = OneKey::admit(&app, tenant, key, query.as_deref())?;
+    let scope = &one.scope;
+    let record = app.engine.ledger().get(scope).await.map_err(|error| {
         if error.is_busy() {
             return Problem::Overloaded;
         }
@@ -147,7 +169,7 @@ pub async fn result(
             Ok((LOOKUP, answer).into_response())
         }
         RecordState::InProgress { .. } => {
-            Ok((LOOKUP, accepted(&app, &scope).await?).into_response())
+            Ok((LOOKUP, accepted(&app, scope).await?).into_response())
         }
     }
 }

@@ -336,25 +336,34 @@ async fn the_admin_token_is_read_as_every_bearer_is() {
     assert_eq!(twice.status, StatusCode::UNAUTHORIZED, "two tokens");
 }
 
-/// A rotated token (the file rewritten, as a Kubernetes Secret update does) is accepted
-/// and the old one refused at once, without a restart. (On d90d3dd the token was read
-/// once at start: "the new token, left: 401, right: 200".)
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_rotated_admin_token_is_taken_without_a_restart() {
-    let token_file = config_file(&format!("{TOKEN}\n"));
-    let (_db, gw, http) = setup_with(
+/// A gateway with the admin API on, its token read from `token_file`.
+async fn with_token_file(token_file: &std::path::Path) -> (TestDb, Gateway, Http) {
+    setup_with(
         |c| {
             c.set("admin.listen", "127.0.0.1:0")
                 .set("admin.token_file", token_file.to_str().unwrap())
         },
         |r| r,
     )
-    .await;
-    let held = |token: &str| {
-        http.get(&gw.admin_url("/admin/v1/held"))
-            .bearer(token)
-            .send()
-    };
+    .await
+}
+
+/// The held keys, asked with `token`.
+async fn held_with(http: &Http, gw: &Gateway, token: String) -> Answer {
+    http.get(&gw.admin_url("/admin/v1/held"))
+        .bearer(&token)
+        .send()
+        .await
+}
+
+/// A rotated token (the file rewritten, as a Kubernetes Secret update does) is accepted
+/// and the old one refused at once, without a restart. (On d90d3dd the token was read
+/// once at start: "the new token, left: 401, right: 200".)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rotated_admin_token_is_taken_without_a_restart() {
+    let token_file = config_file(&format!("{TOKEN}\n"));
+    let (_db, gw, http) = with_token_file(&token_file).await;
+    let held = |token: &str| held_with(&http, &gw, token.to_owned());
     assert_eq!(held(TOKEN).await.status, StatusCode::OK);
     let rotated = "rotated-token-fedcba9876543210";
     // A new file put in place of the old one, as a Secret volume swaps its files.
@@ -381,19 +390,8 @@ async fn a_rotated_admin_token_is_taken_without_a_restart() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_in_place_rewrite_is_taken_and_a_deleted_token_file_closes_the_api() {
     let token_file = config_file(&format!("{TOKEN}\n"));
-    let (_db, gw, http) = setup_with(
-        |c| {
-            c.set("admin.listen", "127.0.0.1:0")
-                .set("admin.token_file", token_file.to_str().unwrap())
-        },
-        |r| r,
-    )
-    .await;
-    let held = |token: &str| {
-        http.get(&gw.admin_url("/admin/v1/held"))
-            .bearer(token)
-            .send()
-    };
+    let (_db, gw, http) = with_token_file(&token_file).await;
+    let held = |token: &str| held_with(&http, &gw, token.to_owned());
     assert_eq!(held(TOKEN).await.status, StatusCode::OK);
     let modified = std::fs::metadata(&token_file).unwrap().modified().unwrap();
     let same_length = "admin-token-fedcba9876543210";
