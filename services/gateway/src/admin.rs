@@ -252,8 +252,9 @@ pub struct ReleaseRequest {
     /// nothing changes.
     #[schema(format = "uuid")]
     pub attempt: String,
-    /// Why, for the log line every release writes (not only white space).
-    #[schema(min_length = 1, pattern = r"\S")]
+    /// Why, for the log line every release writes (not only white space; no NUL: a forced
+    /// release keeps it in Postgres).
+    #[schema(min_length = 1, pattern = r"^[^\u0000]*\S[^\u0000]*$")]
     pub reason: String,
     /// Release even inside the attempt's lease (it may still be running: its upstream
     /// may still act, and a retry would act again).
@@ -309,6 +310,7 @@ pub async fn release(
             "`reason` says why, for the log line every release writes",
         ));
     }
+    no_nul("reason", &asked.reason)?;
     let scope = scope(path, Some(asked.endpoint))?;
     let named = format!("{} {:?} {}", scope.tenant, scope.endpoint, scope.key);
     let done = crate::operator::release(
