@@ -133,7 +133,7 @@ fn unavailable(error: impl std::fmt::Display) -> Problem {
     security(("admin_token" = [])),
     params(
         ("tenant" = String, Path, description = "The tenant the key belongs to", pattern = r"^[^\u0000]*$"),
-        ("key" = String, Path, description = "The Idempotency-Key, as sent", pattern = r#"^[!#-+\--~][!-+\--~]{0,254}$"#),
+        ("key" = String, Path, description = "The Idempotency-Key, as sent. A key holding `%` is found too, sent as `%25` as a path segment must be; the pattern leaves `%` out because not every client encodes it", pattern = r#"^[!#$&-+\--~][!-$&-+\--~]{0,254}$"#),
         ("endpoint" = String, Query, description = "The route's endpoint, e.g. `POST /payments`", pattern = r"^[^\u0000]*$"),
     ),
     responses(
@@ -281,7 +281,7 @@ pub struct Released {
     security(("admin_token" = [])),
     params(
         ("tenant" = String, Path, description = "The tenant the key belongs to", pattern = r"^[^\u0000]*$"),
-        ("key" = String, Path, description = "The Idempotency-Key, as sent", pattern = r#"^[!#-+\--~][!-+\--~]{0,254}$"#),
+        ("key" = String, Path, description = "The Idempotency-Key, as sent. A key holding `%` is found too, sent as `%25` as a path segment must be; the pattern leaves `%` out because not every client encodes it", pattern = r#"^[!#$&-+\--~][!-$&-+\--~]{0,254}$"#),
     ),
     request_body(content = ReleaseRequest, content_type = "application/json"),
     responses(

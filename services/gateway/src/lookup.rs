@@ -88,7 +88,7 @@ fn scope_of(
     tag = "lookup",
     security(("tenant_token" = [])),
     params(
-        ("key" = String, Path, description = "The Idempotency-Key, as sent", pattern = r#"^[!#-+\--~][!-+\--~]{0,254}$"#),
+        ("key" = String, Path, description = "The Idempotency-Key, as sent. A key holding `%` is found too, sent as `%25` as a path segment must be; the pattern leaves `%` out because not every client encodes it", pattern = r#"^[!#$&-+\--~][!-$&-+\--~]{0,254}$"#),
         ("endpoint" = String, Query, description = "The route's endpoint, e.g. `POST /payments`", pattern = r"^[^\u0000]*$"),
     ),
     responses(
@@ -128,11 +128,11 @@ const RESULT_RETRY_AFTER: u64 = 1;
     tag = "lookup",
     security(("tenant_token" = [])),
     params(
-        ("key" = String, Path, description = "The Idempotency-Key, as sent", pattern = r#"^[!#-+\--~][!-+\--~]{0,254}$"#),
+        ("key" = String, Path, description = "The Idempotency-Key, as sent. A key holding `%` is found too, sent as `%25` as a path segment must be; the pattern leaves `%` out because not every client encodes it", pattern = r#"^[!#$&-+\--~][!-$&-+\--~]{0,254}$"#),
         ("endpoint" = String, Query, description = "The route's endpoint, e.g. `POST /payments`", pattern = r"^[^\u0000]*$"),
     ),
     responses(
-        (status = 200, description = "Completed: the operation's stored answer, byte for byte (any status the upstream answered), with `Idempotent-Replayed: true`"),
+        (status = "default", description = "Completed: the operation's stored answer, byte for byte — whatever status, headers and body the upstream answered — with `Idempotent-Replayed: true`"),
         (status = 202, description = "Still running, or held until its outcome is known: ask again after `Retry-After`", body = TenantKey),
         (status = 400, description = "A bad key or query", body = ProblemDoc, content_type = "application/problem+json"),
         (status = 401, description = "No valid tenant token", body = ProblemDoc, content_type = "application/problem+json"),
