@@ -11,6 +11,8 @@
 //! | `server.body_read_timeout` | `30s` | a request body must arrive within this (408) |
 //! | `server.max_concurrent_requests` | `1024` | requests in flight; beyond, 503 `overloaded` |
 //! | `server.response_write_timeout` | `30s` | a client that takes longer to accept a write of its answer is cut off |
+//! | `server.max_result_wait` | `60s` | the longest a key's result waits for its operation to settle (`Prefer: wait=N` on `/_idemgate/v1/keys/{key}/result`) |
+//! | `server.max_result_waiters` | `64` | a tenant's result waiters at once, per replica; beyond, 429 `tenant-concurrency-limited` |
 //! | `server.refusal_log_interval` | `10s` | refusals (401, 429, 503 `overloaded`) are logged at most once per tenant and reason per interval, with their count |
 //! | `server.max_replay_bytes_in_flight` | `268435456` | stored bodies held for answers in flight, all requests together (one tenant at most a quarter, or one body); beyond, 503 `overloaded` |
 
@@ -54,6 +56,11 @@ pub struct ServerConfig {
     /// all requests together (concurrent retries of one key share one copy); a replay
     /// that would go past it gets 503 `overloaded`.
     pub max_replay_bytes_in_flight: usize,
+    /// The longest a key's result waits for its operation to settle.
+    #[serde(with = "humantime_serde")]
+    pub max_result_wait: Duration,
+    /// A tenant's result waiters at once, per replica.
+    pub max_result_waiters: usize,
     /// Refusals are logged at most once per tenant and reason per interval, with their
     /// count: a flood of them is a flood of counts, not of log lines.
     #[serde(with = "humantime_serde")]
@@ -75,6 +82,8 @@ impl Default for ServerConfig {
             response_write_timeout: Duration::from_secs(30),
             max_replay_bytes_in_flight: 256 * 1024 * 1024,
             refusal_log_interval: Duration::from_secs(10),
+            max_result_wait: Duration::from_secs(60),
+            max_result_waiters: 64,
         }
     }
 }
@@ -106,6 +115,7 @@ impl ServerConfig {
                 "server.refusal_log_interval",
                 self.refusal_log_interval.is_zero(),
             ),
+            ("server.max_result_waiters", self.max_result_waiters == 0),
         ])?;
         if self.max_header_bytes < 1024 {
             return Err(ConfigError::new(

@@ -64,6 +64,8 @@ pub enum Problem {
     /// The lookup found no live record of the key for this tenant and endpoint: the
     /// same answer whether it was never used, has expired, or is another tenant's.
     KeyNotFound,
+    /// The key was released while its result was awaited: its operation did not run.
+    KeyReleased,
     Unauthorized(AuthError),
     /// A webhook delivery whose signature is missing, invalid or stale: the reason, and
     /// what it means.
@@ -151,7 +153,7 @@ impl Problem {
             )),
             ResultUnavailable => Some(("completed", false)),
             // Connection refused: the upstream never saw it, and the key was released.
-            UpstreamUnavailable => Some((NOT_EXECUTED, true)),
+            UpstreamUnavailable | KeyReleased => Some((NOT_EXECUTED, true)),
             UpstreamTimeout | LedgerUnavailable | OutcomeUnrecorded => Some(("unknown", false)),
             _ => None,
         }
@@ -251,6 +253,12 @@ impl Problem {
                 "idempotency-key-not-found",
                 "Idempotency-Key not found",
                 "No record of this key for this tenant and endpoint: it was never used, or it has expired.".into(),
+            ),
+            KeyReleased => (
+                StatusCode::NOT_FOUND,
+                "idempotency-key-not-found",
+                "Idempotency-Key not found",
+                "The key was released while you waited: its operation did not run. The same key, or a new one, is safe to send.".into(),
             ),
             TenantRateLimited { .. } => (
                 StatusCode::TOO_MANY_REQUESTS,

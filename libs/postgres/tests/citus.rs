@@ -9,7 +9,9 @@
 use std::collections::BTreeSet;
 use std::ops::ControlFlow;
 
-use idem_postgres::ledger::{bodies, claim, complete, operator, purge, reconcile, release};
+use idem_postgres::ledger::{
+    bodies, claim, complete, operator, purge, reconcile, release, settled,
+};
 use sqlparser::ast::{
     BinaryOperator, Expr, SetExpr, Statement, Value, visit_expressions, visit_relations,
 };
@@ -84,6 +86,11 @@ const CROSS_TENANT: &[(&str, &str, &str)] = &[
         "ENDPOINTS_SQL",
         operator::ENDPOINTS_SQL,
         "the endpoints stored, every tenant's (the rename check at start)",
+    ),
+    (
+        "SETTLED_SQL",
+        settled::SETTLED_SQL,
+        "the keys a replica's result waiters wait on, every tenant's, in one statement a poll",
     ),
 ];
 

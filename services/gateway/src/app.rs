@@ -177,11 +177,24 @@ impl Application {
             unrecorded: Default::default(),
             webhooks,
             refusals: crate::refusals::Refusals::new(server.refusal_log_interval),
+            waiters: crate::waiters::Waiters::new(server.max_result_waiters),
+            max_result_wait: server.max_result_wait,
             key_refresh,
             postgres_ready,
             readiness,
         };
         let state = Arc::new(state);
+        // Wakes the result waiters whose keys settled, for as long as the state lives.
+        let weak = Arc::downgrade(&state);
+        tokio::spawn(async move {
+            let mut every = tokio::time::interval(crate::waiters::POLL);
+            every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                every.tick().await;
+                let Some(state) = weak.upgrade() else { return };
+                state.waiters.poll(state.engine.ledger()).await;
+            }
+        });
         // Writes the refusals counted since their last line, for as long as the state lives.
         let weak = Arc::downgrade(&state);
         tokio::spawn(async move {

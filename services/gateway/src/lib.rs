@@ -27,6 +27,7 @@
 //!   parameters and their errors, the problem schema.
 //! - [`openapi`]: the OpenAPI 3.1 document of both, generated from their handlers.
 //! - [`tenants`]: each tenant's policy, body limit and quotas (429 over them).
+//! - [`waiters`]: clients waiting for a key's result, woken when it settles.
 //!
 //! Configuration and routes live in `idem-config` and the upstream client in
 //! `idem-upstream`, both shared with the reconciler; the header rules of the HTTP
@@ -51,6 +52,7 @@ pub mod respond;
 pub mod server;
 pub mod state;
 pub mod tenants;
+pub mod waiters;
 pub mod webhook;
 
 pub use idem_http::problem;

@@ -10,6 +10,7 @@
 //! - `GET /_idemgate/v1/keys/{key}/result?endpoint=…` → the operation's handle: its stored
 //!   answer byte for byte once completed (`Idempotent-Replayed: true`), 202 with the
 //!   lookup's JSON and `Retry-After` while it runs or is held, the lookup's 404 otherwise.
+//!   With `Prefer: wait=N` it waits for the operation to settle first ([`crate::waiters`]).
 //!   Where `Prefer: respond-async` answers 202, its `Location` points here ([`location`]).
 
 use std::sync::Arc;
@@ -19,8 +20,8 @@ use axum::extract::rejection::PathRejection;
 use axum::extract::{Path, RawQuery, State};
 use axum::response::{IntoResponse, Response};
 use chrono::{DateTime, SecondsFormat, Utc};
-use http::{HeaderValue, StatusCode, header};
-use idem_core::{IdempotencyKey, Ledger as _, RecordState, Scope};
+use http::{HeaderMap, HeaderValue, StatusCode, header};
+use idem_core::{Cache as _, IdempotencyKey, Ledger as _, MaybeCache, Record, RecordState, Scope};
 use idem_postgres::ledger::KeyInfo;
 use serde::Serialize;
 use utoipa::ToSchema;
@@ -44,7 +45,8 @@ const LOOKUP: axum::Extension<crate::observe::OutcomeLabel> =
 struct OneKey<'a> {
     scope: Scope,
     _quota: Option<crate::tenants::TenantPermit>,
-    _share: crate::listing::LookupPermit<'a>,
+    /// Given back before a result's wait: a waiter holds no share of the ledger.
+    share: Option<crate::listing::LookupPermit<'a>>,
 }
 
 impl<'a> OneKey<'a> {
@@ -55,12 +57,12 @@ impl<'a> OneKey<'a> {
         query: Option<&str>,
     ) -> Result<Self, Problem> {
         let _quota = app.tenants.admit(&tenant)?;
-        let _share = app.lookups.admit(Some(&tenant))?;
+        let share = Some(app.lookups.admit(Some(&tenant))?);
         let scope = scope_of(tenant, key, query)?;
         Ok(Self {
             scope,
             _quota,
-            _share,
+            share,
         })
     }
 }
@@ -130,6 +132,7 @@ const RESULT_RETRY_AFTER: u64 = 1;
     params(
         ("key" = String, Path, description = "The Idempotency-Key, as sent. A key holding `%` is found too, sent as `%25` as a path segment must be; the pattern leaves `%` out because not every client encodes it", pattern = r#"^[!#$&-+\--~][!-$&-+\--~]{0,254}$"#),
         ("endpoint" = String, Query, description = "The route's endpoint, e.g. `POST /payments`", pattern = r"^[^\u0000]*$"),
+        ("Prefer" = Option<String>, Header, description = "`wait=N`: wait up to N seconds (at most `server.max_result_wait`) for a running or held operation to settle"),
     ),
     responses(
         (status = "default", description = "Completed: the operation's stored answer, byte for byte — whatever status, headers and body the upstream answered — with `Idempotent-Replayed: true`"),
@@ -138,7 +141,7 @@ const RESULT_RETRY_AFTER: u64 = 1;
         (status = 401, description = "No valid tenant token", body = ProblemDoc, content_type = "application/problem+json"),
         (status = 404, description = "No live record of this key for this tenant and endpoint (also another tenant's key)", body = ProblemDoc, content_type = "application/problem+json"),
         (status = 410, description = "Completed, but its answer was too large to keep", body = ProblemDoc, content_type = "application/problem+json"),
-        (status = 429, description = "The tenant is over its quota", body = ProblemDoc, content_type = "application/problem+json"),
+        (status = 429, description = "The tenant is over its quota, or has `server.max_result_waiters` waiting", body = ProblemDoc, content_type = "application/problem+json"),
         (status = 503, description = "The ledger is unavailable", body = ProblemDoc, content_type = "application/problem+json"),
     ),
 )]
@@ -147,16 +150,42 @@ pub async fn result(
     Tenant(tenant): Tenant,
     key: Result<Path<String>, PathRejection>,
     RawQuery(query): RawQuery,
+    headers: HeaderMap,
 ) -> Result<Response, Problem> {
-    let one = OneKey::admit(&app, tenant, key, query.as_deref())?;
-    let scope = &one.scope;
-    let record = app.engine.ledger().get(scope).await.map_err(|error| {
-        if error.is_busy() {
-            return Problem::Overloaded;
+    let mut one = OneKey::admit(&app, tenant, key, query.as_deref())?;
+    let wait = idem_core::headers::preferred_wait(&headers)
+        .map(|wait| wait.min(app.max_result_wait))
+        .filter(|wait| !wait.is_zero());
+    let scope = one.scope.clone();
+    let mut record = read_record(&app, &scope).await?;
+    if let (
+        Some(wait),
+        Some(Record {
+            state: RecordState::InProgress { .. },
+            ..
+        }),
+    ) = (wait, &record)
+    {
+        // Waits holding nothing of the ledger; a released key tells the waiter so.
+        let waiting = app.waiters.wait_on(&scope)?;
+        drop(one.share.take());
+        let changed = async {
+            match app.engine.cache() {
+                MaybeCache::Some(cache) => cache.changed(&scope).await,
+                MaybeCache::None => std::future::pending().await,
+            }
+        };
+        tokio::select! {
+            () = waiting.settled() => {}
+            () = changed => {}
+            () = tokio::time::sleep(wait) => {}
         }
-        tracing::error!(%error, "result lookup failed");
-        Problem::LedgerUnavailable
-    })?;
+        drop(waiting);
+        record = read_record(&app, &scope).await?;
+        if record.is_none() {
+            return Err(Problem::KeyReleased);
+        }
+    }
     let Some(record) = record else {
         return Err(Problem::KeyNotFound);
     };
@@ -169,9 +198,20 @@ pub async fn result(
             Ok((LOOKUP, answer).into_response())
         }
         RecordState::InProgress { .. } => {
-            Ok((LOOKUP, accepted(&app, scope).await?).into_response())
+            Ok((LOOKUP, accepted(&app, &scope).await?).into_response())
         }
     }
+}
+
+/// The live record of `scope`, its stored body included.
+async fn read_record(app: &AppState, scope: &Scope) -> Result<Option<Record>, Problem> {
+    app.engine.ledger().get(scope).await.map_err(|error| {
+        if error.is_busy() {
+            return Problem::Overloaded;
+        }
+        tracing::error!(%error, "result lookup failed");
+        Problem::LedgerUnavailable
+    })
 }
 
 /// 202: the operation runs (or is held until its outcome is known), with the lookup's

@@ -43,6 +43,10 @@ pub struct AppState {
     pub webhooks: Arc<crate::webhook::Receivers>,
     /// Refusals, logged per tenant and reason at most once per interval.
     pub refusals: crate::refusals::Refusals,
+    /// Clients waiting for a key's result (`Prefer: wait` on the result).
+    pub waiters: crate::waiters::Waiters,
+    /// The longest a result waits (`server.max_result_wait`).
+    pub max_result_wait: Duration,
     /// Fetches and refreshes an identity provider's keys, for as long as the state lives.
     pub key_refresh: Option<AbortOnDropHandle<()>>,
     /// Whether a writable Postgres answered lately: refreshed in the background.

@@ -27,6 +27,7 @@ pub mod reconcile;
 pub mod release;
 mod row;
 pub mod rules;
+pub mod settled;
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};

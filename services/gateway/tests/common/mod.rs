@@ -50,6 +50,11 @@ impl Gateway {
         format!("http://{}{}", self.addr, path)
     }
 
+    /// Keeps an upstream process alive for as long as this gateway.
+    pub fn keep(&mut self, demo: Demo) {
+        self.upstreams.push(demo);
+    }
+
     /// A URL of the admin API (panics if `admin.listen` is not set).
     pub fn admin_url(&self, path: &str) -> String {
         let admin = self.admin.expect("this gateway has no admin.listen");
