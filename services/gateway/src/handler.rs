@@ -333,7 +333,11 @@ async fn run(
                         // 202 and the execution goes on in its task.
                         match tokio::time::timeout(async_wait, &mut ran).await {
                             Ok(ran) => ran,
-                            Err(_) => return respond_accepted(&app, handle.as_ref()).await,
+                            Err(_) => match respond_accepted(&app, handle.as_ref()).await {
+                                // Its row already gone (released at once): its own answer.
+                                Err(Problem::KeyNotFound) => ran.await,
+                                accepted => return accepted,
+                            },
                         }
                     }
                 }
@@ -364,7 +368,12 @@ async fn run(
     // Respond. A client that prefers not to wait is told where the running operation's
     // result will be, instead of 409.
     if respond_async && matches!(outcome, Outcome::InProgress { .. }) {
-        return respond_accepted(&app, handle.as_ref()).await;
+        // The first's claim not visible yet (a Redis lock younger than its commit), or
+        // gone since: the 409 this retry would have had.
+        match respond_accepted(&app, handle.as_ref()).await {
+            Err(Problem::KeyNotFound) => {}
+            accepted => return accepted,
+        }
     }
     let name = outcome.name();
     if let Some(first) = outcome.first_execution() {

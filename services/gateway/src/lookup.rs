@@ -44,8 +44,9 @@ const LOOKUP: axum::Extension<crate::observe::OutcomeLabel> =
 /// for as long as this lives), and the scope it names.
 struct OneKey<'a> {
     scope: Scope,
-    _quota: Option<crate::tenants::TenantPermit>,
-    /// Given back before a result's wait: a waiter holds no share of the ledger.
+    /// Both given back before a result's wait: a waiter holds no place among its
+    /// tenant's requests in flight and no share of the ledger.
+    quota: Option<crate::tenants::TenantPermit>,
     share: Option<crate::listing::LookupPermit<'a>>,
 }
 
@@ -56,12 +57,12 @@ impl<'a> OneKey<'a> {
         key: Result<Path<String>, PathRejection>,
         query: Option<&str>,
     ) -> Result<Self, Problem> {
-        let _quota = app.tenants.admit(&tenant)?;
+        let quota = app.tenants.admit(&tenant)?;
         let share = Some(app.lookups.admit(Some(&tenant))?);
         let scope = scope_of(tenant, key, query)?;
         Ok(Self {
             scope,
-            _quota,
+            quota,
             share,
         })
     }
@@ -166,22 +167,40 @@ pub async fn result(
         }),
     ) = (wait, &record)
     {
-        // Waits holding nothing of the ledger; a released key tells the waiter so.
+        // Waits holding nothing of the ledger or of the tenant's places, until the
+        // record settles or the wait is over — a wake-up that finds it still running
+        // (another retry's announcement) waits on. A released key tells the waiter so.
         let waiting = app.waiters.wait_on(&scope)?;
-        drop(one.share.take());
-        let changed = async {
-            match app.engine.cache() {
-                MaybeCache::Some(cache) => cache.changed(&scope).await,
-                MaybeCache::None => std::future::pending().await,
+        drop((one.share.take(), one.quota.take()));
+        let deadline = tokio::time::Instant::now() + wait;
+        loop {
+            let settled = waiting.settled();
+            let changed = async {
+                match app.engine.cache() {
+                    MaybeCache::Some(cache) => cache.changed(&scope).await,
+                    MaybeCache::None => std::future::pending().await,
+                }
+            };
+            tokio::select! {
+                () = settled => {}
+                () = changed => {}
+                () = tokio::time::sleep_until(deadline) => {}
             }
-        };
-        tokio::select! {
-            () = waiting.settled() => {}
-            () = changed => {}
-            () = tokio::time::sleep(wait) => {}
+            // The read after the wait takes its share of the ledger as any lookup does.
+            let _share = app.lookups.admit(Some(&scope.tenant))?;
+            record = read_record(&app, &scope).await?;
+            let running = matches!(
+                record,
+                Some(Record {
+                    state: RecordState::InProgress { .. },
+                    ..
+                })
+            );
+            if !running || tokio::time::Instant::now() >= deadline {
+                break;
+            }
         }
         drop(waiting);
-        record = read_record(&app, &scope).await?;
         if record.is_none() {
             return Err(Problem::KeyReleased);
         }
@@ -219,6 +238,9 @@ async fn read_record(app: &AppState, scope: &Scope) -> Result<Option<Record>, Pr
 /// answers, and the result while there is none yet.
 pub(crate) async fn accepted(app: &AppState, scope: &Scope) -> Result<Response, Problem> {
     let info = app.engine.ledger().lookup(scope).await.map_err(|error| {
+        if error.is_busy() {
+            return Problem::Overloaded;
+        }
         tracing::error!(%error, "key lookup failed");
         Problem::LedgerUnavailable
     })?;

@@ -50,7 +50,7 @@ pub async fn observe(State(app): State<Arc<AppState>>, request: Request, next: N
         .increment(1);
     histogram!("idemgate_request_duration_seconds", "outcome" => outcome, "endpoint" => endpoint)
         .record(elapsed);
-    if Refusals::is_refusal(status, outcome) {
+    if Refusals::is_refusal(outcome) {
         let tenant = response.extensions_mut().remove::<TenantLabel>();
         let tenant = tenant.as_ref().map_or(refusals::UNKNOWN, |t| t.0.as_str());
         app.refusals.refused(tenant, outcome, status);

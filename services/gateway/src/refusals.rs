@@ -1,4 +1,5 @@
-//! Refusals (401, 429, 503 `overloaded`) in the log: at most one line per tenant and
+//! Refusals (401 `unauthorized` or `webhook-signature-invalid`, 429 over a tenant's quota,
+//! 503 `overloaded`) in the log: at most one line per tenant and
 //! reason per `server.refusal_log_interval`, with how many there were. A tenant far over
 //! its rate, or a flood of unsigned requests, is a flood of counts, not of log lines — it
 //! can fill neither a disk nor a log pipeline. Every refusal is still counted per request
@@ -42,10 +43,18 @@ impl Refusals {
         }
     }
 
-    /// Whether a request that came to `status` and `outcome` was refused (and is logged
-    /// here rather than in an access-log line).
-    pub fn is_refusal(status: u16, outcome: &str) -> bool {
-        matches!(status, 401 | 429) || outcome == "overloaded"
+    /// Whether a request that came to `outcome` was refused by idemgate itself (and is
+    /// logged here rather than in an access-log line). An upstream's own 401 or 429,
+    /// passed on or replayed, is an answer served like any other.
+    pub fn is_refusal(outcome: &str) -> bool {
+        matches!(
+            outcome,
+            "unauthorized"
+                | "tenant-rate-limited"
+                | "tenant-concurrency-limited"
+                | "overloaded"
+                | "webhook-signature-invalid"
+        )
     }
 
     /// One refusal: written at once when it is its tenant's and reason's first since the

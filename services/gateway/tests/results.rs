@@ -155,3 +155,35 @@ async fn a_tenants_waiters_are_capped() {
     assert_eq!(refused.problem(), "tenant-concurrency-limited");
     assert_eq!(waiting.await.unwrap().status, StatusCode::CREATED);
 }
+
+/// `Prefer: respond-async` never answers the lookup's 404 for the request's own key: an
+/// upstream that releases the key at once (429) races the 202's lookup of the claim, and
+/// the request then gets its own answer. (Found in review of d2ff041: the 202's lookup
+/// found no row and answered 404 `idempotency-key-not-found` to the POST: "statuses seen:
+/// {202, 404, 429}".)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn respond_async_never_answers_404_for_its_own_key() {
+    let db = TestDb::create().await;
+    let upstream = TestUpstream::start().await;
+    let gw = Gateway::start(config(TestConfig::new(&db).route(Route::idempotent(
+        "POST",
+        "/payments",
+        &upstream.url(),
+    ))))
+    .await;
+    let http = Http::default();
+    let mut seen = std::collections::BTreeSet::new();
+    for _ in 0..40 {
+        let answer = http
+            .pay(&gw.url("/payments"), "acme", &new_key(), "{}")
+            .header("prefer", "respond-async")
+            .header("x-test-status", "429")
+            .send()
+            .await;
+        seen.insert(answer.status.as_u16());
+    }
+    assert!(
+        seen.iter().all(|s| [202, 429].contains(s)),
+        "statuses seen: {seen:?}"
+    );
+}

@@ -374,28 +374,22 @@ impl Membership {
     /// message committed but not yet acknowledged must stay there for another consumer to
     /// take over.
     pub(crate) async fn leave(self) {
+        // The check and the deletion in one script: nothing can be delivered to this
+        // consumer between them.
+        const LEAVE: &str = "if #redis.call('XPENDING', KEYS[1], ARGV[1], '-', '+', 1, ARGV[2]) > 0 \
+             then return 0 end \
+             redis.call('XGROUP', 'DELCONSUMER', KEYS[1], ARGV[1], ARGV[2]) return 1";
         let left = async {
             let mut conn = self.redis.get_multiplexed_async_connection().await?;
-            let pending: Vec<(String, String, u64, u64)> = redis::cmd("XPENDING")
-                .arg(&self.stream)
-                .arg(GROUP)
-                .arg("-")
-                .arg("+")
+            let left: i64 = redis::cmd("EVAL")
+                .arg(LEAVE)
                 .arg(1)
-                .arg(&self.name)
-                .query_async(&mut conn)
-                .await?;
-            if !pending.is_empty() {
-                return Ok::<_, redis::RedisError>(false);
-            }
-            let _: u64 = redis::cmd("XGROUP")
-                .arg("DELCONSUMER")
                 .arg(&self.stream)
                 .arg(GROUP)
                 .arg(&self.name)
                 .query_async(&mut conn)
                 .await?;
-            Ok(true)
+            Ok::<_, redis::RedisError>(left == 1)
         };
         match tokio::time::timeout(Duration::from_secs(2), left).await {
             Ok(Ok(true)) => tracing::info!(consumer = %self.name, "left the group"),

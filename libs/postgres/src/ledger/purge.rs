@@ -11,7 +11,9 @@ pub const PURGE_SQL: &str = concat!(
      USING (SELECT k.tenant_id, k.endpoint, k.key FROM idempotency_keys AS k \
             WHERE NOT ",
     rules::live!(),
-    " ORDER BY k.expires_at \
+    // The same test by the statement's clock, which the expiry index can bound (the
+    // row's own clock, in `live!`, is volatile and could not).
+    " AND k.expires_at <= now() ORDER BY k.expires_at \
             LIMIT $1 \
             FOR UPDATE SKIP LOCKED) expired \
      WHERE gone.tenant_id = expired.tenant_id AND gone.endpoint = expired.endpoint \
