@@ -13,7 +13,7 @@
 //! | `server.response_write_timeout` | `30s` | a client that takes longer to accept a write of its answer is cut off |
 //! | `server.max_result_wait` | `60s` | the longest a key's result waits for its operation to settle (`Prefer: wait=N` on `/_idemgate/v1/keys/{key}/result`) |
 //! | `server.max_result_waiters` | `64` | a tenant's result waiters at once, per replica; beyond, 429 `tenant-concurrency-limited` |
-//! | `server.refusal_log_interval` | `10s` | refusals (401, 429, 503 `overloaded`) are logged at most once per tenant and reason per interval, with their count |
+//! | `server.refusal_log_interval` | `10s` | idemgate's own refusals (401, 429 over a quota, 503 `overloaded`) are logged at most once per tenant and reason per interval, with their count |
 //! | `server.max_replay_bytes_in_flight` | `268435456` | stored bodies held for answers in flight, all requests together (one tenant at most a quarter, or one body); beyond, 503 `overloaded` |
 
 use std::net::SocketAddr;
