@@ -66,6 +66,24 @@ impl<'a> OneKey<'a> {
             share,
         })
     }
+
+    /// [`OneKey::admit`], its share queued for up to [`SHARE_WAIT`]: a key's result,
+    /// whose waiters arrive together.
+    async fn admit_queued(
+        app: &'a AppState,
+        tenant: String,
+        key: Result<Path<String>, PathRejection>,
+        query: Option<&str>,
+    ) -> Result<Self, Problem> {
+        let quota = app.tenants.admit(&tenant)?;
+        let share = Some(app.lookups.admit_within(&tenant, SHARE_WAIT).await?);
+        let scope = scope_of(tenant, key, query)?;
+        Ok(Self {
+            scope,
+            quota,
+            share,
+        })
+    }
 }
 
 /// The scope a lookup names: the caller's tenant, the `endpoint` query parameter, the
@@ -124,6 +142,9 @@ pub async fn show(
 /// again.
 const RESULT_RETRY_AFTER: u64 = 1;
 
+/// How long a result's read may queue for its tenant's share of the ledger.
+const SHARE_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
+
 /// `GET /_idemgate/v1/keys/{key}/result?endpoint=…`.
 #[utoipa::path(
     get,
@@ -153,7 +174,7 @@ pub async fn result(
     RawQuery(query): RawQuery,
     headers: HeaderMap,
 ) -> Result<Response, Problem> {
-    let mut one = OneKey::admit(&app, tenant, key, query.as_deref())?;
+    let mut one = OneKey::admit_queued(&app, tenant, key, query.as_deref()).await?;
     let wait = idem_core::headers::preferred_wait(&headers)
         .map(|wait| wait.min(app.max_result_wait))
         .filter(|wait| !wait.is_zero());
@@ -186,8 +207,9 @@ pub async fn result(
                 () = changed => {}
                 () = tokio::time::sleep_until(deadline) => {}
             }
-            // The read after the wait takes its share of the ledger as any lookup does.
-            let _share = app.lookups.admit(Some(&scope.tenant))?;
+            // The read after the wait takes its share of the ledger as any lookup does,
+            // queued behind the other waiters woken with it.
+            let _share = app.lookups.admit_within(&scope.tenant, SHARE_WAIT).await?;
             record = read_record(&app, &scope).await?;
             let running = matches!(
                 record,
