@@ -54,18 +54,47 @@ pub async fn handle(
     request: Request,
 ) -> Response {
     let endpoint = Endpoint(route.endpoint.clone());
-    let tenant = match &caller {
-        Caller::Token(tenant) => Some(TenantLabel(tenant.clone())),
-        Caller::Unverified => None,
-    };
     let mut response = serve(app, caller, route, key, request)
         .await
         .into_response();
     response.extensions_mut().insert(endpoint);
-    if let Some(tenant) = tenant {
-        response.extensions_mut().insert(tenant);
-    }
     response
+}
+
+/// A request turned away: its problem's response — naming its tenant when the refusal is
+/// the tenant's quota, for the refusal log ([`crate::refusals`]).
+struct Refused {
+    problem: Problem,
+    tenant: Option<String>,
+}
+
+impl From<Problem> for Refused {
+    fn from(problem: Problem) -> Self {
+        Self {
+            problem,
+            tenant: None,
+        }
+    }
+}
+
+impl IntoResponse for Refused {
+    fn into_response(self) -> Response {
+        match self.tenant {
+            Some(tenant) => (axum::Extension(TenantLabel(tenant)), self.problem).into_response(),
+            None => self.problem.into_response(),
+        }
+    }
+}
+
+/// `tenant`'s quota for one request; refused, the refusal names the tenant.
+fn tenant_quota(app: &AppState, tenant: &str) -> Result<Option<Arc<TenantPermit>>, Refused> {
+    match app.tenants.admit(tenant) {
+        Ok(permit) => Ok(permit.map(Arc::new)),
+        Err(problem) => Err(Refused {
+            problem,
+            tenant: Some(tenant.to_owned()),
+        }),
+    }
 }
 
 /// The phases, in order.
@@ -75,12 +104,12 @@ async fn serve(
     route: Arc<Route>,
     key: Result<Key, Problem>,
     request: Request,
-) -> Result<Response, Problem> {
+) -> Result<Response, Refused> {
     let admitted = admit(&app, caller, &route, key, &request)?;
     let (parts, body) = request.into_parts();
     let body = read(&app, &admitted, &route, &parts, body).await?;
     let identified = identify(&app, admitted, &route, &parts, &body).await?;
-    run(app, route, identified, parts, body).await
+    Ok(run(app, route, identified, parts, body).await?)
 }
 
 /// What a request holds while it runs, given back when the last of its work ends: its
@@ -118,13 +147,13 @@ fn admit(
     route: &Route,
     key: Result<Key, Problem>,
     request: &Request,
-) -> Result<Admitted, Problem> {
+) -> Result<Admitted, Refused> {
     match caller {
         Caller::Token(tenant) => {
             let Key(key) = key?;
             // Before anything is read or claimed; its place among its tenant's requests
             // goes with the work, as the slot does.
-            let permit = app.tenants.admit(&tenant)?.map(Arc::new);
+            let permit = tenant_quota(app, &tenant)?;
             let holds = Holds {
                 slot: request.extensions().get::<Slot>().cloned(),
                 tenant: permit,
@@ -166,7 +195,7 @@ async fn identify(
     route: &Arc<Route>,
     parts: &Parts,
     body: &Bytes,
-) -> Result<Identified, Problem> {
+) -> Result<Identified, Refused> {
     match admitted {
         Admitted::Client { tenant, key, holds } => Ok(Identified { tenant, key, holds }),
         Admitted::Unverified { place } => {
@@ -178,7 +207,7 @@ async fn identify(
             span.record("tenant.id", delivery.tenant.as_str());
             span.record("idempotency.key", delivery.key.as_str());
             let slot = Slot::take(&app.limits)?;
-            let permit = app.tenants.admit(&delivery.tenant)?.map(Arc::new);
+            let permit = tenant_quota(app, &delivery.tenant)?;
             Ok(Identified {
                 tenant: delivery.tenant,
                 key: Some(delivery.key),

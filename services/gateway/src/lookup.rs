@@ -14,6 +14,7 @@
 //!   Where `Prefer: respond-async` answers 202, its `Location` points here ([`location`]).
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use axum::Json;
 use axum::extract::rejection::PathRejection;
@@ -51,32 +52,17 @@ struct OneKey<'a> {
 }
 
 impl<'a> OneKey<'a> {
-    fn admit(
+    /// Its quota and share taken, the share waited for up to `queue` (a key's result,
+    /// whose waiters arrive together; zero: refused at once, as every other lookup).
+    async fn admit(
         app: &'a AppState,
         tenant: String,
         key: Result<Path<String>, PathRejection>,
         query: Option<&str>,
+        queue: std::time::Duration,
     ) -> Result<Self, Problem> {
         let quota = app.tenants.admit(&tenant)?;
-        let share = Some(app.lookups.admit(Some(&tenant))?);
-        let scope = scope_of(tenant, key, query)?;
-        Ok(Self {
-            scope,
-            quota,
-            share,
-        })
-    }
-
-    /// [`OneKey::admit`], its share queued for up to [`SHARE_WAIT`]: a key's result,
-    /// whose waiters arrive together.
-    async fn admit_queued(
-        app: &'a AppState,
-        tenant: String,
-        key: Result<Path<String>, PathRejection>,
-        query: Option<&str>,
-    ) -> Result<Self, Problem> {
-        let quota = app.tenants.admit(&tenant)?;
-        let share = Some(app.lookups.admit_within(&tenant, SHARE_WAIT).await?);
+        let share = Some(app.lookups.admit_within(&tenant, queue).await?);
         let scope = scope_of(tenant, key, query)?;
         Ok(Self {
             scope,
@@ -127,7 +113,7 @@ pub async fn show(
     key: Result<Path<String>, PathRejection>,
     RawQuery(query): RawQuery,
 ) -> Result<Response, Problem> {
-    let one = OneKey::admit(&app, tenant, key, query.as_deref())?;
+    let one = OneKey::admit(&app, tenant, key, query.as_deref(), Duration::ZERO).await?;
     match app.engine.ledger().lookup(&one.scope).await {
         Ok(Some(info)) => Ok((LOOKUP, Json(TenantKey::from(&info))).into_response()),
         Ok(None) => Err(Problem::KeyNotFound),
@@ -143,7 +129,7 @@ pub async fn show(
 const RESULT_RETRY_AFTER: u64 = 1;
 
 /// How long a result's read may queue for its tenant's share of the ledger.
-const SHARE_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
+const SHARE_WAIT: Duration = Duration::from_secs(2);
 
 /// `GET /_idemgate/v1/keys/{key}/result?endpoint=…`.
 #[utoipa::path(
@@ -174,7 +160,7 @@ pub async fn result(
     RawQuery(query): RawQuery,
     headers: HeaderMap,
 ) -> Result<Response, Problem> {
-    let mut one = OneKey::admit_queued(&app, tenant, key, query.as_deref()).await?;
+    let mut one = OneKey::admit(&app, tenant, key, query.as_deref(), SHARE_WAIT).await?;
     let wait = idem_core::headers::preferred_wait(&headers)
         .map(|wait| wait.min(app.max_result_wait))
         .filter(|wait| !wait.is_zero());

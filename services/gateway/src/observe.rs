@@ -3,7 +3,7 @@
 //! request served — a refusal (401, 429, 503 `overloaded`) is counted as every request is,
 //! but logged per tenant and reason at most once per interval ([`crate::refusals`]).
 //! Whoever answers says what the request came to by putting an [`OutcomeLabel`] (and,
-//! once a route matched, an [`Endpoint`]; once a token named one, a [`TenantLabel`]) in
+//! once a route matched, an [`Endpoint`]; a refusal by its tenant's quota, a [`TenantLabel`]) in
 //! the response's extensions; a [`crate::problem::Problem`] does so itself.
 
 use std::sync::Arc;
@@ -25,7 +25,7 @@ use crate::state::AppState;
 #[derive(Debug, Clone)]
 pub struct Endpoint(pub String);
 
-/// The tenant a token named, for the refusal log.
+/// The tenant whose quota refused a request, for the refusal log.
 #[derive(Debug, Clone)]
 pub struct TenantLabel(pub String);
 
