@@ -80,7 +80,21 @@ class ChartTest(unittest.TestCase):
                                                  "idempotent": True, "probe": "GET /events/{key}",
                                                  "webhook": {"scheme": "standard-webhooks",
                                                              "secret_dir": "/etc/idemgate/webhooks/billing",
-                                                             "max_unverified": 32}}]}}}
+                                                             "max_unverified": 32}}]}},
+             "callbacks": {"callbacks": {"secrets": {"acme": "idemgate-acme-callbacks"}},
+                           "config": {"tenants": {"acme": {
+                               "callback_url": "https://hooks.acme.example/idemgate",
+                               "callback_secret_file": "/etc/idemgate/callbacks/acme/secret"}}}}}
+
+    def test_a_tenants_callback_secret_is_mounted_where_its_entry_names_it(self):
+        docs = render(self.cases["callbacks"])
+        config = tomllib.loads(by_kind(docs, "ConfigMap", "idemgate")[0]["data"]["idemgate.toml"])
+        self.assertEqual(config["tenants"]["acme"]["callback_secret_file"], "/etc/idemgate/callbacks/acme/secret")
+        pod = by_kind(docs, "Deployment", "idemgate")[0]["spec"]["template"]["spec"]
+        mounts = {m["name"]: m for m in pod["containers"][0]["volumeMounts"]}
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        self.assertEqual(mounts["callback-acme"]["mountPath"], "/etc/idemgate/callbacks/acme")
+        self.assertEqual(volumes["callback-acme"]["secret"]["secretName"], "idemgate-acme-callbacks")
 
     def test_webhook_routes_are_rendered_with_their_secrets_mounted(self):
         docs = render(self.cases["webhooks"])
@@ -314,12 +328,15 @@ class ChartTest(unittest.TestCase):
                 for var, spec in env_map(gateway).items():
                     env[var] = stand_ins.get(var, spec.get("value", ""))
                 mounted = (config.replace("/etc/idemgate/keys/", f"{tmp}/").replace("/etc/idemgate/admin/", f"{tmp}/")
-                           .replace("/etc/idemgate/webhooks/", f"{tmp}/"))
+                           .replace("/etc/idemgate/webhooks/", f"{tmp}/").replace("/etc/idemgate/callbacks/", f"{tmp}/"))
                 if "[routes.webhook]" in config:
                     (Path(tmp) / "stripe").mkdir()
                     (Path(tmp) / "stripe" / "secret").write_text("whsec_a-stripe-secret\n")
                     (Path(tmp) / "billing").mkdir()
                     (Path(tmp) / "billing" / "acme").write_text("whsec_aWRlbWdhdGUtY2hhcnQtc2VjcmV0LTAx\n")
+                if "callback_secret_file" in config:
+                    (Path(tmp) / "acme").mkdir()
+                    (Path(tmp) / "acme" / "secret").write_text("whsec_aWRlbWdhdGUtY2hhcnQtc2VjcmV0LTAx\n")
                 if "[admin]" in config:
                     (Path(tmp) / "token").write_text("an-admin-token-of-enough-length\n")
                 if "jwks_file" in config:

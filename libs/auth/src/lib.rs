@@ -36,7 +36,7 @@ use serde::Deserialize;
 use serde_json::{Map, Value};
 
 pub use keys::KeySourceError;
-pub use remote::RemoteStats;
+pub use remote::{RemoteStats, https_connector};
 
 /// The longest tenant id accepted.
 pub const MAX_TENANT_LEN: usize = 255;

@@ -349,10 +349,11 @@ impl RemoteKeys {
     }
 }
 
-/// The HTTPS client's connector for fetching a provider's keys: rustls (ring) with
-/// the Mozilla roots, plus `ca_file`'s certificates for a private CA. Plain `http://`
-/// is connectable too; the URL rules (loopback only) are checked before.
-pub(crate) fn https_connector(
+/// The HTTPS client's connector for fetching a provider's keys (and for the gateway's
+/// settlement callbacks): rustls (ring) with the Mozilla roots, plus `ca_file`'s
+/// certificates for a private CA. Plain `http://` is connectable too; the URL rules are
+/// the caller's to check before.
+pub fn https_connector(
     ca_file: Option<&Path>,
 ) -> Result<HttpsConnector<HttpConnector>, KeySourceError> {
     use rustls::pki_types::CertificateDer;

@@ -10,6 +10,8 @@
 //! | `tenants.<id>.rate` | unlimited | `"500/s"` (also `/m`, `/h`, or a duration: `"50/100ms"`): a token bucket per tenant, per replica; over it, 429 `tenant-rate-limited` |
 //! | `tenants.<id>.burst` | one second of `rate` (at least 1) | requests the bucket holds |
 //! | `tenants.<id>.max_concurrent_requests` | unlimited | per tenant, per replica; over it, 429 `tenant-concurrency-limited` |
+//! | `tenants.<id>.callback_url` | none | `http(s)://…`: where the settlement of a key whose client was not given its final answer is POSTed (docs/http-api.md, "Told when it settles") |
+//! | `tenants.<id>.callback_secret_file` | none | a file of `whsec_` secrets (one a line; the callback is signed with each): required with `callback_url` |
 //!
 //! Quotas are per replica: `rate = "500/s"` on three replicas admits up to 1500/s.
 
@@ -39,6 +41,10 @@ pub struct TenantConfig {
     pub rate: Option<Rate>,
     pub burst: Option<u32>,
     pub max_concurrent_requests: Option<usize>,
+    /// Where settlements are told (with `callback_secret_file`; taken from the default
+    /// entry as a pair).
+    pub callback_url: Option<String>,
+    pub callback_secret_file: Option<std::path::PathBuf>,
 }
 
 impl TenantConfig {
@@ -72,9 +78,26 @@ impl TenantConfig {
         Some(NonZeroU32::new(burst).unwrap_or(NonZeroU32::MIN))
     }
 
-    /// Each key this entry does not set, from `default`.
+    /// Whether the tenant is told its keys' settlements.
+    pub fn tells_settlements(&self) -> bool {
+        self.callback_url.is_some()
+    }
+
+    /// Each key this entry does not set, from `default` (the callback's URL and secret as
+    /// one: an entry setting either has its own pair).
     fn or(self, default: &TenantConfig) -> Self {
+        let (callback_url, callback_secret_file) =
+            if self.callback_url.is_some() || self.callback_secret_file.is_some() {
+                (self.callback_url, self.callback_secret_file)
+            } else {
+                (
+                    default.callback_url.clone(),
+                    default.callback_secret_file.clone(),
+                )
+            };
         Self {
+            callback_url,
+            callback_secret_file,
             ttl: self.ttl.or(default.ttl),
             lease: self.lease.or(default.lease),
             wait_timeout: self.wait_timeout.or(default.wait_timeout),
@@ -107,6 +130,22 @@ impl TenantConfig {
                 self.max_concurrent_requests == Some(0),
             ),
         ])?;
+        match (&self.callback_url, &self.callback_secret_file) {
+            (Some(url), Some(_)) => check_callback_url(&format!("{at}.callback_url"), url)?,
+            (Some(_), None) => {
+                return Err(ConfigError::new(
+                    format!("{at}.callback_secret_file"),
+                    "is required with `callback_url`: callbacks are always signed",
+                ));
+            }
+            (None, Some(_)) => {
+                return Err(ConfigError::new(
+                    format!("{at}.callback_url"),
+                    "is required with `callback_secret_file`",
+                ));
+            }
+            (None, None) => {}
+        }
         if self.burst.is_some() && self.rate.is_none() {
             return Err(ConfigError::new(
                 format!("{at}.burst"),
@@ -209,6 +248,25 @@ pub(crate) fn check_routes(
     Ok(())
 }
 
+/// A callback URL: absolute `http://` or `https://`, with a host, no credentials in it.
+fn check_callback_url(at: &str, url: &str) -> Result<(), ConfigError> {
+    let invalid = |why: &str| ConfigError::new(at, format!("{url:?} {why}"));
+    let uri: http::Uri = url.parse().map_err(|_| invalid("is not a URL"))?;
+    match uri.scheme_str() {
+        Some("http" | "https") => {}
+        _ => return Err(invalid("is not an http:// or https:// URL")),
+    }
+    let Some(authority) = uri.authority() else {
+        return Err(invalid("has no host"));
+    };
+    if authority.as_str().contains('@') {
+        return Err(invalid(
+            "holds credentials: sign with `callback_secret_file` instead",
+        ));
+    }
+    Ok(())
+}
+
 /// A tenant id as a TOML key: bare if it can be, else quoted.
 fn key_name(id: &str) -> String {
     let bare = !id.is_empty()
@@ -297,6 +355,36 @@ mod tests {
         assert_eq!(entry("10/m", None).burst().unwrap().get(), 1);
         assert_eq!(entry("500/s", Some(20)).burst().unwrap().get(), 20);
         assert_eq!(TenantConfig::default().burst(), None);
+    }
+
+    #[test]
+    fn a_callback_is_an_http_url_with_its_secret() {
+        let entry = |url: Option<&str>, file: Option<&str>| TenantConfig {
+            callback_url: url.map(str::to_owned),
+            callback_secret_file: file.map(Into::into),
+            ..TenantConfig::default()
+        };
+        let key = |e: TenantConfig| e.validate("tenants.acme").err().map(|e| e.key);
+        assert_eq!(
+            key(entry(Some("https://hooks.example/idem"), Some("/s"))),
+            None
+        );
+        assert_eq!(key(entry(Some("http://127.0.0.1:9/cb"), Some("/s"))), None);
+        for bad in ["ftp://x/", "/relative", "https://user:pw@x/", "not a url"] {
+            assert_eq!(
+                key(entry(Some(bad), Some("/s"))).as_deref(),
+                Some("tenants.acme.callback_url"),
+                "{bad:?}"
+            );
+        }
+        assert_eq!(
+            key(entry(Some("https://x/"), None)).as_deref(),
+            Some("tenants.acme.callback_secret_file")
+        );
+        assert_eq!(
+            key(entry(None, Some("/s"))).as_deref(),
+            Some("tenants.acme.callback_url")
+        );
     }
 
     #[test]

@@ -10,7 +10,7 @@ use std::collections::BTreeSet;
 use std::ops::ControlFlow;
 
 use idem_postgres::ledger::{
-    bodies, claim, complete, operator, purge, reconcile, release, settled,
+    bodies, callbacks, claim, complete, operator, purge, reconcile, release, settled,
 };
 use sqlparser::ast::{
     BinaryOperator, Expr, SetExpr, Statement, Value, visit_expressions, visit_relations,
@@ -37,6 +37,7 @@ const ONE_TENANT: &[(&str, &str)] = &[
     ("LIST_IN_PROGRESS_SQL", operator::LIST_IN_PROGRESS_SQL),
     ("LIST_TENANT_HELD_SQL", operator::LIST_TENANT_HELD_SQL),
     ("OPERATOR_RELEASE_SQL", operator::OPERATOR_RELEASE_SQL),
+    ("MARK_SQL", callbacks::MARK_SQL),
 ];
 
 /// Statements for one tenant that do not yet say so where Citus would look, and why. The
@@ -95,11 +96,33 @@ const CROSS_TENANT: &[(&str, &str, &str)] = &[
 ];
 
 /// Statements that never touch `idempotency_keys`, and what they do.
-const OTHER_TABLES: &[(&str, &str, &str)] = &[(
-    "PURGE_FORCED_SQL",
-    operator::PURGE_FORCED_SQL,
-    "forgets the marks of forced releases a day old (forced_releases, keyed by tenant too)",
-)];
+const OTHER_TABLES: &[(&str, &str, &str)] = &[
+    (
+        "PURGE_FORCED_SQL",
+        operator::PURGE_FORCED_SQL,
+        "forgets the marks of forced releases a day old (forced_releases, keyed by tenant too)",
+    ),
+    (
+        "TAKE_CALLBACKS_SQL",
+        callbacks::TAKE_CALLBACKS_SQL,
+        "a sender takes the callbacks due, of every tenant it sends for (callbacks, keyed by tenant too)",
+    ),
+    (
+        "CALLBACK_DELIVERED_SQL",
+        callbacks::CALLBACK_DELIVERED_SQL,
+        "one callback, by its tenant and attempt",
+    ),
+    (
+        "CALLBACK_FAILED_SQL",
+        callbacks::CALLBACK_FAILED_SQL,
+        "one callback, by its tenant and attempt",
+    ),
+    (
+        "PURGE_CALLBACKS_SQL",
+        callbacks::PURGE_CALLBACKS_SQL,
+        "forgets the callbacks finished a day ago",
+    ),
+];
 
 /// How often `idempotency_keys` is read or written, and how often a `tenant_id` is
 /// compared with a parameter, in one statement.

@@ -28,7 +28,12 @@ async fn a_completion_after_the_reconciler_resolved_the_row_is_fenced_out() {
     assert_eq!(stuck.len(), 1);
     assert_eq!(stuck[0].attempt, attempt);
     let fence = ledger
-        .resolve(&stuck[0], &response("probe"), Duration::from_secs(60))
+        .resolve(
+            &stuck[0],
+            &response("probe"),
+            Duration::from_secs(60),
+            false,
+        )
         .await
         .unwrap();
     assert_eq!(fence, Fence::Held);

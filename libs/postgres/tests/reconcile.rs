@@ -38,14 +38,19 @@ async fn a_resolution_after_the_gateway_finished_changes_nothing() {
     );
     assert_eq!(
         ledger
-            .release_attempt(&stuck[0].scope, stuck[0].attempt)
+            .release_attempt(&stuck[0].scope, stuck[0].attempt, false)
             .await
             .unwrap(),
         Fence::Lost
     );
     assert_eq!(
         ledger
-            .resolve(&stuck[0], &response("probe"), Duration::from_secs(60))
+            .resolve(
+                &stuck[0],
+                &response("probe"),
+                Duration::from_secs(60),
+                false
+            )
             .await
             .unwrap(),
         Fence::Lost

@@ -129,6 +129,13 @@ pub fn parse_traceparent(value: &str) -> Option<SpanContext> {
     sc.is_valid().then_some(sc)
 }
 
+/// The trace id of a stored W3C `traceparent` (`00-<trace id>-<span id>-<flags>`): its
+/// 32 hex digits, or none.
+pub fn trace_id_of(traceparent: &str) -> Option<&str> {
+    let id = traceparent.split('-').nth(1)?;
+    (id.len() == 32 && id.bytes().all(|b| b.is_ascii_hexdigit())).then_some(id)
+}
+
 /// Adds a link from `span` to the span whose `traceparent` is `target`.
 pub fn link(span: &Span, target: &str) {
     if let Some(sc) = parse_traceparent(target) {

@@ -195,6 +195,27 @@ impl Secrets {
     }
 }
 
+/// The `webhook-signature` a Standard Webhooks sender puts on the message `id`, sent at
+/// `timestamp` (Unix seconds) with `body`: `v1,<base64>` by each of `secrets`, space
+/// separated (a receiver rotating its secret accepts either). What the gateway's own
+/// settlement callbacks are signed with.
+pub fn sign_standard(secrets: &Secrets, id: &str, timestamp: u64, body: &[u8]) -> String {
+    let timestamp = timestamp.to_string();
+    let content = [id.as_bytes(), b".", timestamp.as_bytes(), b".", body];
+    let signatures: Vec<String> = secrets
+        .0
+        .iter()
+        .map(|key| {
+            let mut mac = HmacSha256::new_from_slice(key).expect("HMAC takes a key of any length");
+            for part in content {
+                mac.update(part);
+            }
+            format!("v1,{}", BASE64.encode(mac.finalize().into_bytes()))
+        })
+        .collect();
+    signatures.join(" ")
+}
+
 /// Why a delivery was refused (the `reason` label of `idemgate_webhooks_rejected_total`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Rejection {

@@ -82,6 +82,26 @@ fn a_standard_webhooks_delivery_signed_by_its_library_verifies_and_names_its_key
 }
 
 #[test]
+fn the_gateways_own_signature_is_the_standard_webhooks_librarys() {
+    let one = secrets(Scheme::StandardWebhooks, STANDARD_SECRET);
+    assert_eq!(
+        sign_standard(&one, "msg_2Kq9", SIGNED_AT, STANDARD_BODY),
+        STANDARD_SIGNATURE
+    );
+    // Mid-rotation: signed by both, and the library's signature is one of them.
+    let two = secrets(
+        Scheme::StandardWebhooks,
+        &format!("whsec_b3RoZXItc2VjcmV0LW9mLWF0LWxlYXN0LTI0LWJ5dGVz\n{STANDARD_SECRET}"),
+    );
+    let signed = sign_standard(&two, "msg_2Kq9", SIGNED_AT, STANDARD_BODY);
+    assert_eq!(signed.split(' ').count(), 2);
+    assert!(
+        signed.split(' ').any(|s| s == STANDARD_SIGNATURE),
+        "{signed}"
+    );
+}
+
+#[test]
 fn a_standard_webhooks_delivery_changed_unsigned_or_old_is_refused_with_its_reason() {
     let h = standard_headers(STANDARD_SIGNATURE);
     let changed = br#"{"type":"invoice.paid","data":{"amount":900}}"#;

@@ -320,6 +320,7 @@ pub async fn release(
         asked.force,
         "admin API",
         &asked.reason,
+        app.callbacks.tells(&scope.tenant),
     )
     .await
     .map_err(unavailable)?;

@@ -54,8 +54,8 @@ impl Default for BuildOptions {
 
 /// What `serve` and `check-config` check of a config before anything runs, one way for
 /// both: the auth keys it names, every webhook route's secrets (one that cannot be read
-/// would refuse every delivery; one file read by two schemes is refused), the admin
-/// token; and what they warn of.
+/// would refuse every delivery; one file read by two schemes is refused), every tenant's
+/// callback secrets, the admin token; and what they warn of.
 pub struct Preflight {
     pub auth: Authenticator,
     /// The admin API's token, when `admin.token_file` is set.
@@ -67,6 +67,7 @@ impl Preflight {
     pub fn check(config: &Config) -> anyhow::Result<Self> {
         let auth = Authenticator::from_config(&config.auth)?;
         config.routes.check_webhook_secrets()?;
+        crate::callbacks::Callbacks::check_secrets(&config.tenants)?;
         let admin_token = AdminToken::load(&config.admin)?;
         let warnings = auth
             .warnings()
@@ -156,6 +157,7 @@ impl Application {
         ));
         let tenants = TenantTable::new(&config.tenants, &config.routes, server.max_body_bytes);
         let webhooks = Arc::new(crate::webhook::Receivers::new(&config.routes));
+        let callbacks = Arc::new(crate::callbacks::Callbacks::new(&config.tenants)?);
         let state = AppState {
             auth,
             tenants,
@@ -179,6 +181,7 @@ impl Application {
             refusals: crate::refusals::Refusals::new(server.refusal_log_interval),
             waiters: crate::waiters::Waiters::new(server.max_result_waiters),
             max_result_wait: server.max_result_wait,
+            callbacks,
             key_refresh,
             postgres_ready,
             readiness,
@@ -195,6 +198,20 @@ impl Application {
                 state.waiters.poll(state.engine.ledger()).await;
             }
         });
+        // Sends the settlement callbacks due, for as long as the state lives, if any
+        // tenant has a callback (whichever replica settled their keys).
+        if state.callbacks.any() {
+            let weak = Arc::downgrade(&state);
+            tokio::spawn(async move {
+                let mut every = tokio::time::interval(crate::callbacks::TURN);
+                every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+                loop {
+                    every.tick().await;
+                    let Some(state) = weak.upgrade() else { return };
+                    state.callbacks.turn(state.engine.ledger()).await;
+                }
+            });
+        }
         // Writes the refusals counted since their last line, for as long as the state lives.
         let weak = Arc::downgrade(&state);
         tokio::spawn(async move {

@@ -415,9 +415,16 @@ async fn run(
 }
 
 /// 202 for `Prefer: respond-async`: the lookup's JSON, `Location` and `Retry-After`, and
-/// `Preference-Applied: respond-async`.
+/// `Preference-Applied: respond-async`; the key marked for its tenant's callback.
 async fn respond_accepted(app: &AppState, scope: Option<&Scope>) -> Result<Response, Problem> {
-    let mut response = crate::lookup::accepted(app, scope.ok_or(Problem::Internal)?).await?;
+    let scope = scope.ok_or(Problem::Internal)?;
+    // Not given its final answer: its tenant is told the settlement, if it asks to be.
+    if app.callbacks.tells(&scope.tenant)
+        && let Err(error) = app.engine.ledger().mark_callback(scope).await
+    {
+        tracing::warn!(%error, "could not mark the key for its settlement's callback");
+    }
+    let mut response = crate::lookup::accepted(app, scope).await?;
     response.headers_mut().insert(
         h::PREFERENCE_APPLIED,
         http::HeaderValue::from_static("respond-async"),

@@ -37,6 +37,7 @@
 pub mod admin;
 pub mod admin_token;
 pub mod app;
+pub mod callbacks;
 pub mod extract;
 pub mod handler;
 pub mod health;

@@ -234,8 +234,10 @@ async fn keys(config: &Config, action: KeysAction) -> anyhow::Result<()> {
             let attempt = idem_core::AttemptId(attempt);
             let named = format!("{} {:?} {}", scope.tenant, scope.endpoint, scope.key);
             let by = std::env::var("USER").unwrap_or_else(|_| "unknown".into());
+            let tell = config.tenants.get(&scope.tenant).tells_settlements();
             let done =
-                idemgate::operator::release(&ledger, &scope, attempt, force, &by, &reason).await?;
+                idemgate::operator::release(&ledger, &scope, attempt, force, &by, &reason, tell)
+                    .await?;
             let idem_postgres::OperatorRelease::Released { forced } = done else {
                 anyhow::bail!(
                     "{}",

@@ -66,6 +66,11 @@ pub(crate) fn describe() {
         Unit::Seconds,
         "Upstream call latency, by endpoint."
     );
+    describe_counter!(
+        "idemgate_callbacks_total",
+        "Deliveries of settlement callbacks, by outcome: delivered, failed (tried again \
+         later), expired (given up 72 h after the settlement)."
+    );
     describe_gauge!(
         "idemgate_inflight_executions",
         "Upstream executions in flight."

@@ -201,14 +201,14 @@ pub fn held_line(info: &KeyInfo) -> String {
 /// id>-<flags>`): 32 hex digits, or none — what the CLI, the admin API and the tenant's
 /// lookup all show.
 pub fn trace_id(info: &KeyInfo) -> Option<&str> {
-    let id = info.trace_context.as_deref()?.split('-').nth(1)?;
-    (id.len() == 32 && id.bytes().all(|b| b.is_ascii_hexdigit())).then_some(id)
+    idem_telemetry::propagation::trace_id_of(info.trace_context.as_deref()?)
 }
 
 /// An operator's release of `attempt`'s key, the one way both the CLI and the admin API
 /// release (`by` says which, and who): only that attempt, only past its lease unless
 /// `force`. A release is logged with its `reason`; a forced one also keeps it with its
-/// mark, so the attempt's completion, if it comes, says whose release it was.
+/// mark, so the attempt's completion, if it comes, says whose release it was. `tell`:
+/// the tenant has a settlement callback (it is told `not_executed`).
 pub async fn release(
     ledger: &PgLedger,
     scope: &Scope,
@@ -216,9 +216,10 @@ pub async fn release(
     force: bool,
     by: &str,
     reason: &str,
+    tell: bool,
 ) -> Result<OperatorRelease, LedgerError> {
     let done = ledger
-        .release_by_operator(scope, attempt, force, &format!("{by}: {reason}"))
+        .release_by_operator(scope, attempt, force, &format!("{by}: {reason}"), tell)
         .await?;
     if let OperatorRelease::Released { forced } = done {
         log_release(scope, attempt, forced, by, reason);

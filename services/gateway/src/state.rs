@@ -47,6 +47,8 @@ pub struct AppState {
     pub waiters: crate::waiters::Waiters,
     /// The longest a result waits (`server.max_result_wait`).
     pub max_result_wait: Duration,
+    /// Each tenant's settlement callback, and their sender.
+    pub callbacks: Arc<crate::callbacks::Callbacks>,
     /// Fetches and refreshes an identity provider's keys, for as long as the state lives.
     pub key_refresh: Option<AbortOnDropHandle<()>>,
     /// Whether a writable Postgres answered lately: refreshed in the background.

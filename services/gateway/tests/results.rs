@@ -45,7 +45,23 @@ fn wait_for(http: &Http, gw: &Gateway, location: &str, seconds: u64) -> Call {
 /// waited: "left: 202, right: 201"; the other two tests failed the same way.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn waiters_on_both_replicas_get_the_one_answer_when_it_settles() {
-    let (db, a, b) = replicas(|c| c).await;
+    three_waiters_get_the_one_answer(None).await;
+}
+
+/// The same with Redis: its announcement of the completion wakes them, and the ledger's
+/// poll stays the floor.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn waiters_with_redis_get_the_one_answer_when_it_settles() {
+    let redis = RedisServer::start(&[]);
+    three_waiters_get_the_one_answer(Some(&redis.url())).await;
+}
+
+async fn three_waiters_get_the_one_answer(redis: Option<&str>) {
+    let (db, a, b) = replicas(|c| match redis {
+        Some(url) => c.redis(url),
+        None => c,
+    })
+    .await;
     let http = Http::default();
     let key = new_key();
     let location = slow_payment(&http, &a, &key, 2000).await;

@@ -72,10 +72,16 @@ impl Reconciler {
             probe_attempts: u32::try_from(row.probe_attempts).unwrap_or(0),
             first_not_found: row.first_not_found_at.map(SystemTime::from),
         };
+        // Its client was answered 409, 503 or 504 meanwhile: its tenant is told how it
+        // settled, if it has a callback.
+        let tell = self.config.tenants.get(&scope.tenant).tells_settlements();
         match rules::decide(&rules, answer, &history, now) {
             Resolution::Complete => {
                 let stored = found.expect("a found answer comes with its response");
-                let fence = self.ledger.resolve(&row, &stored, route.policy.ttl).await?;
+                let fence = self
+                    .ledger
+                    .resolve(&row, &stored, route.policy.ttl, tell)
+                    .await?;
                 self.report(
                     &row,
                     fence,
@@ -84,7 +90,10 @@ impl Reconciler {
                 );
             }
             Resolution::Release(why) => {
-                let fence = self.ledger.release_attempt(scope, row.attempt).await?;
+                let fence = self
+                    .ledger
+                    .release_attempt(scope, row.attempt, tell)
+                    .await?;
                 let (counter, what) = match why {
                     Released::NotFoundTwice => (
                         &self.stats.released,

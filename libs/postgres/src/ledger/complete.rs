@@ -29,6 +29,9 @@ use crate::headers;
 /// `expires_at`: a retry may already have replayed the answer with that expiry, and the
 /// record is remembered until then, not later.
 ///
+/// A row marked `callback` (its client was answered 202) writes its settlement to the
+/// callbacks outbox in the same statement; a repeated completion finds it there already.
+///
 /// A row that is **absent** — no attempt's row at all for the key, not one another attempt
 /// owns — is written back, completed (`restored`). Nothing of the gateway deletes a row
 /// whose attempt is still inside its lease, so an absent row means the ledger lost a
@@ -60,7 +63,11 @@ macro_rules! complete_sql {
                    ELSE now() + mine.ttl_ms * interval '1 millisecond' END \
                FROM mine WHERE k.tenant_id = mine.tenant_id AND k.endpoint = mine.endpoint \
                  AND k.key = mine.key AND k.attempt = mine.attempt \
-               RETURNING mine.n, k.expires_at), \
+               RETURNING mine.n, k.expires_at, k.tenant_id, k.endpoint, k.key, k.attempt, \
+                 k.response_status, k.callback, k.trace_context), \
+             told AS (",
+            $crate::ledger::callbacks::tell_sql!("done", "'completed'", "done.response_status", "done.callback"),
+            "), \
              restored AS (\
                INSERT INTO idempotency_keys AS k \
                  (tenant_id, endpoint, key, request_hash, status, attempt, response_status, \

@@ -12,12 +12,15 @@
 //! - [`reconcile`]: the reconciler's take, resolution and deferral;
 //! - [`purge`]: deleting expired completed rows;
 //! - [`operator`]: what `idemgate keys` reads and does, and the endpoints stored;
+//! - [`callbacks`]: the settlement callbacks' outbox: a 202's mark, the senders' take
+//!   and reports;
 //! - [`bodies`]: large stored answers, read once per scope and shared, within a budget;
 //! - [`row`]: decoding a row.
 //!
 //! Every call is bounded by the op timeout, traced as a client span and counted.
 
 pub mod bodies;
+pub mod callbacks;
 pub mod claim;
 pub mod complete;
 pub mod in_tx;
@@ -368,7 +371,7 @@ impl Ledger for PgLedger {
     }
 
     async fn release(&self, scope: &Scope, attempt: AttemptId) -> Result<Fence, LedgerError> {
-        self.release_attempt(scope, attempt).await
+        self.release_attempt(scope, attempt, false).await
     }
 
     async fn hold(&self, scope: &Scope, attempt: AttemptId) -> Result<Fence, LedgerError> {

@@ -99,19 +99,23 @@ pub const COUNT_HELD_SQL: &str = concat!(
 /// An operator's release: the in-progress row of the scope $1..$3 owned by the attempt
 /// in $4, only while held (its lease over) unless $5 forces it. A forced release leaves
 /// its mark, with the reason $6, in the same statement: that attempt may still complete,
-/// and its completion then knows the row was released on purpose.
+/// and its completion then knows the row was released on purpose. The settlement
+/// (`not_executed`) is told if $7 (the tenant has a callback) or the row is marked.
 pub const OPERATOR_RELEASE_SQL: &str = concat!(
     "WITH released AS (DELETE FROM idempotency_keys AS k WHERE ",
     rules::owned_by_attempt!(),
     " AND k.status = 'in_progress' AND ((",
     rules::held!(),
-    ") OR $5) RETURNING k.tenant_id, k.endpoint, k.key, k.attempt, (",
+    ") OR $5) RETURNING k.tenant_id, k.endpoint, k.key, k.attempt, k.trace_context, \
+       (k.callback OR $7::bool) AS tell, (",
     rules::held!(),
     ") AS held), \
      marked AS (INSERT INTO forced_releases (tenant_id, attempt, endpoint, key, reason) \
        SELECT tenant_id, attempt, endpoint, key, $6 FROM released WHERE NOT held \
-       ON CONFLICT (tenant_id, attempt) DO NOTHING) \
-     SELECT held FROM released"
+       ON CONFLICT (tenant_id, attempt) DO NOTHING), \
+     told AS (",
+    super::callbacks::tell_sql!("released", "'not_executed'", "NULL::int4", "released.tell"),
+    ") SELECT held FROM released"
 );
 
 /// Forgets the marks of forced releases a day old: any attempt they could concern has
@@ -262,13 +266,15 @@ impl PgLedger {
 
     /// Releases `attempt`'s in-progress key by an operator's hand: only that attempt,
     /// and only once its lease is over unless `force` (then `reason` is kept with the
-    /// release's mark, for the attempt's completion to log). When nothing changed, says why.
+    /// release's mark, for the attempt's completion to log); `tell`: the tenant has a
+    /// callback for settlements. When nothing changed, says why.
     pub async fn release_by_operator(
         &self,
         scope: &Scope,
         attempt: AttemptId,
         force: bool,
         reason: &str,
+        tell: bool,
     ) -> Result<OperatorRelease, LedgerError> {
         let released = self
             .bounded("operator_release", async |c| {
@@ -276,6 +282,7 @@ impl PgLedger {
                     .bind(attempt.0)
                     .bind(force)
                     .bind(reason)
+                    .bind(tell)
                     .fetch_optional(c)
                     .await
             })

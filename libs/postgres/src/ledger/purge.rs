@@ -23,12 +23,16 @@ pub const PURGE_SQL: &str = concat!(
 impl PgLedger {
     /// Deletes up to `limit` completed rows past their expiry and returns how many. Rows
     /// another transaction holds are skipped, never waited for.
-    /// The marks of forced releases a day old go with them.
+    /// The marks of forced releases and the callbacks finished a day ago go with them.
     pub async fn purge_batch(&self, limit: i64) -> Result<u64, LedgerError> {
         let result = self
             .bounded("purge", async |c| {
                 let purged = sqlx::query(PURGE_SQL).bind(limit).execute(&mut *c).await?;
                 sqlx::query(super::operator::PURGE_FORCED_SQL)
+                    .execute(&mut *c)
+                    .await?;
+                sqlx::query(super::callbacks::PURGE_CALLBACKS_SQL)
+                    .bind(limit)
                     .execute(c)
                     .await?;
                 Ok(purged)

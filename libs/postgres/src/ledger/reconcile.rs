@@ -43,15 +43,27 @@ pub const TAKE_SQL: &str = concat!(
 );
 
 /// Completes the row taken with the attempt in $4 under a fresh attempt ($5), with the
-/// answer $6..$8 and $10 (body omitted), live for $9 ms.
+/// answer $6..$8 and $10 (body omitted), live for $9 ms; tells the settlement (under the
+/// attempt taken) if the row is marked or $11 asks. Returns the rows completed.
 pub const RESOLVE_SQL: &str = concat!(
-    "UPDATE idempotency_keys AS k SET status = 'completed', attempt = $5, \
+    "WITH resolved AS (\
+       UPDATE idempotency_keys AS k SET status = 'completed', attempt = $5, \
        response_status = $6, response_headers = $7, response_body = $8, \
        response_omitted = $10, completed_at = now(), locked_until = NULL, held_since = NULL, \
        expires_at = now() + $9::float8 * interval '1 millisecond' \
      WHERE ",
     rules::owned_by_attempt!(),
-    " AND k.status = 'in_progress'"
+    " AND k.status = 'in_progress' \
+       RETURNING k.tenant_id, k.endpoint, k.key, $4::uuid AS attempt, k.response_status, \
+         k.trace_context, (k.callback OR $11::bool) AS tell), \
+     told AS (",
+    super::callbacks::tell_sql!(
+        "resolved",
+        "'completed'",
+        "resolved.response_status",
+        "resolved.tell"
+    ),
+    ") SELECT count(*) FROM resolved"
 );
 
 /// Looks at the row taken with the attempt in $4 again in $5 ms, counting an
@@ -128,25 +140,34 @@ impl PgLedger {
     }
 
     /// Completes a stuck row with the upstream's real answer, if `row.attempt` still owns
-    /// it, under a fresh attempt token (which fences out the original gateway).
+    /// it, under a fresh attempt token (which fences out the original gateway); `tell`:
+    /// its tenant has a callback for settlements.
     pub async fn resolve(
         &self,
         row: &StuckRow,
         response: &StoredResponse,
         ttl: Duration,
+        tell: bool,
     ) -> Result<Fence, LedgerError> {
-        self.fenced(
-            "resolve",
-            Self::on(RESOLVE_SQL, &row.scope)
-                .bind(row.attempt.0)
-                .bind(Uuid::new_v4())
-                .bind(i32::from(response.status))
-                .bind(headers::encode(&response.headers))
-                .bind(&response.body[..])
-                .bind(millis(ttl))
-                .bind(response.body_omitted),
-        )
-        .await
+        let resolved: i64 = self
+            .bounded("resolve", async |c| {
+                sqlx::query_scalar(RESOLVE_SQL)
+                    .bind(&row.scope.tenant)
+                    .bind(&row.scope.endpoint)
+                    .bind(row.scope.key.as_str())
+                    .bind(row.attempt.0)
+                    .bind(Uuid::new_v4())
+                    .bind(i32::from(response.status))
+                    .bind(headers::encode(&response.headers))
+                    .bind(&response.body[..])
+                    .bind(millis(ttl))
+                    .bind(response.body_omitted)
+                    .bind(tell)
+                    .fetch_one(c)
+                    .await
+            })
+            .await?;
+        Ok(rules::fence(resolved.unsigned_abs()))
     }
 
     /// Leaves a stuck row for a later pass, `after` from now.

@@ -16,6 +16,11 @@
 //! | in progress | completed, fresh attempt | [`RESOLVE_SQL`] (fenced) | reconciler |
 //! | in progress | in progress, looked at again later | [`DEFER_SQL`] (fenced) | reconciler |
 //! | completed past `expires_at` | absent | [`PURGE_SQL`] | reconciler |
+//! | live (its client answered 202) | the same, marked `callback` | [`MARK_SQL`] | gateway |
+//!
+//! Every settlement (completion, release, resolution) of a row marked `callback`, and the
+//! reconciler's and operators' of any row of a tenant with a callback, writes the
+//! settlement to the callbacks outbox in the same statement ([`super::callbacks`]).
 //!
 //! - An in-progress row never expires, whatever its TTL: it leaves that state only by a
 //!   completion, a resolution or a release, never by time (held keys never lapse).
@@ -38,6 +43,7 @@
 //! [`RESOLVE_SQL`]: super::reconcile::RESOLVE_SQL
 //! [`DEFER_SQL`]: super::reconcile::DEFER_SQL
 //! [`PURGE_SQL`]: super::purge::PURGE_SQL
+//! [`MARK_SQL`]: super::callbacks::MARK_SQL
 
 use std::time::{Duration, SystemTime};
 
