@@ -280,7 +280,8 @@ class ChartTest(unittest.TestCase):
         self.assertEqual(rendered, yaml.safe_load(rules.read_text()))
         alerts = {r["alert"] for g in rendered["groups"] for r in g["rules"]}
         self.assertEqual(alerts, {"IdemgateHeldKeysGrowing", "IdemgateFencedCompletions", "IdemgateOutcomeUnrecorded",
-                                  "IdemgateJwksStale", "IdemgateTenantThrottled", "IdemgateRecordsRestored"})
+                                  "IdemgateJwksStale", "IdemgateTenantThrottled", "IdemgateRecordsRestored",
+                                  "IdemgateCallbacksExpired"})
 
     def test_the_dashboard_and_the_alerts_use_only_metrics_idemgate_exports(self):
         import json
