@@ -16,12 +16,13 @@
 
 use std::future::Future;
 use std::pin::pin;
-use std::time::{Duration, SystemTime};
+use std::time::Duration;
 
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use crate::fingerprint::Fingerprint;
+use crate::outcome::{Execution, Outcome, UnknownCause};
 use crate::policy::{Disposition, Policy};
 use crate::ports::{
     Cache, CacheEntry, CacheLookup, Claim, ClaimResult, Completed, Fence, Ledger, LedgerError,
@@ -29,7 +30,7 @@ use crate::ports::{
 };
 use crate::record::{AttemptId, Record, RecordState, StoredResponse};
 use crate::scope::Scope;
-use crate::verdict::{Decision, RETRY_SOON, Verdict, cached, in_progress, locked_out, replayed};
+use crate::verdict::{self, Found, RETRY_SOON, cached, in_progress, locked_out};
 
 /// The attempt that won the claim, as handed to the upstream call.
 ///
@@ -48,21 +49,6 @@ pub struct Attempt {
     pub lease_end: Instant,
 }
 
-/// What the upstream call did.
-#[derive(Debug)]
-pub enum Execution<R> {
-    /// The upstream answered. `stored` is the response as it would be replayed;
-    /// `passthrough` is what the first client gets (all its end-to-end headers).
-    Responded {
-        stored: StoredResponse,
-        passthrough: R,
-    },
-    /// The request provably never reached the upstream (connection refused).
-    NotSent,
-    /// The upstream may or may not have acted (timeout, connection broken mid-way).
-    Unknown,
-}
-
 /// One request through the engine.
 #[derive(Debug, Clone, Copy)]
 pub struct Request<'a> {
@@ -77,84 +63,6 @@ pub struct Request<'a> {
     /// for another attempt stops. What this request started (its execution, its
     /// completion) still runs to its end.
     pub gone: Option<&'a CancellationToken>,
-}
-
-/// Why an operation's outcome is unknown.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum UnknownCause {
-    /// The upstream timed out or broke off after the request was sent.
-    Upstream,
-    /// The upstream answered but the ledger could not record it.
-    Ledger,
-}
-
-/// What happened to a request.
-#[derive(Debug)]
-pub enum Outcome<R> {
-    /// This request executed the operation and its result was kept until `expires_at`,
-    /// or (`None`) not kept: the fence was lost (the reconciler resolved the row
-    /// meanwhile).
-    Executed {
-        response: R,
-        expires_at: Option<SystemTime>,
-    },
-    /// The upstream answered with a status the route does not keep; the key is free.
-    Released(R),
-    /// The upstream answered, but its answer proves nothing (a 5xx on a route with a
-    /// status probe): the first client gets it as it came, and the key is held for the
-    /// reconciler, which asks the upstream at once.
-    Uncertain(R),
-    /// A completed operation's stored response.
-    Replayed {
-        response: StoredResponse,
-        trace_context: Option<String>,
-        waited: bool,
-        /// When the ledger forgets the record, if known.
-        expires_at: Option<SystemTime>,
-    },
-    /// The key was used before with a different request, whose operation is completed
-    /// (or, if not `completed`, still in progress).
-    Mismatch {
-        trace_context: Option<String>,
-        completed: bool,
-    },
-    /// Another attempt is running, or (`outcome_unknown`) its lease ran out without a
-    /// result and the reconciler has yet to resolve it.
-    InProgress {
-        retry_after: Duration,
-        trace_context: Option<String>,
-        waited: bool,
-        outcome_unknown: bool,
-    },
-    /// The upstream could not be reached; nothing ran and the key is free.
-    UpstreamUnavailable,
-    /// The upstream may have acted; the key stays held for the reconciler.
-    Unknown(UnknownCause),
-}
-
-impl<R> Outcome<R> {
-    /// The `idempotency.outcome` name (docs/operations.md, "Observability").
-    pub fn name(&self) -> &'static str {
-        match self {
-            Outcome::Executed { .. } => "executed",
-            Outcome::Replayed { .. } => "replayed",
-            Outcome::Mismatch { .. } => "mismatch",
-            Outcome::InProgress { .. } => "in_progress",
-            Outcome::Released(_) | Outcome::UpstreamUnavailable => "released",
-            Outcome::Unknown(_) | Outcome::Uncertain(_) => "unknown",
-        }
-    }
-
-    /// The stored trace context of the execution this answer is about, when it is not
-    /// this request's own (a replay, a mismatch, a 409 in progress): its span links there.
-    pub fn first_execution(&self) -> Option<&str> {
-        match self {
-            Outcome::Replayed { trace_context, .. }
-            | Outcome::Mismatch { trace_context, .. }
-            | Outcome::InProgress { trace_context, .. } => trace_context.as_deref(),
-            _ => None,
-        }
-    }
 }
 
 /// How often a released key may be re-claimed within one request.
@@ -284,8 +192,8 @@ impl<L: Ledger, C: Cache> Engine<L, C> {
                 ClaimResult::Locked => return Ok(locked_out(waited)),
             };
             let record = match self.answer_existing(req, record, claim_sent, waited).await {
-                Existing::Answered(outcome) => return Ok(outcome),
-                Existing::Running(record) => record,
+                Found::Answered(outcome) => return Ok(outcome),
+                Found::Running(record) => record,
             };
             let Some(deadline) = deadline else {
                 return Ok(in_progress(&record, waited));
@@ -294,8 +202,8 @@ impl<L: Ledger, C: Cache> Engine<L, C> {
             match self.wait(req, deadline, record).await? {
                 Waited::Current(record, read) => {
                     match self.answer_existing(req, record, read, true).await {
-                        Existing::Answered(outcome) => return Ok(outcome),
-                        Existing::Running(record) => return Ok(in_progress(&record, true)),
+                        Found::Answered(outcome) => return Ok(outcome),
+                        Found::Running(record) => return Ok(in_progress(&record, true)),
                     }
                 }
                 // The first attempt released the key: claim it again.
@@ -319,21 +227,16 @@ impl<L: Ledger, C: Cache> Engine<L, C> {
         record: Record,
         read: Instant,
         waited: bool,
-    ) -> Existing<R> {
-        match Verdict::of(record, req.fingerprint).decide(read.elapsed(), waited) {
-            Decision::Replay {
-                entry,
-                keep_for,
-                waited,
-            } => {
-                if let Some(ttl) = keep_for {
-                    self.cache.fill(req.scope, &entry, ttl).await;
-                }
-                Existing::Answered(replayed(entry, waited))
-            }
-            Decision::Answer(outcome) => Existing::Answered(outcome),
-            Decision::Running(record) => Existing::Running(record),
-        }
+    ) -> Found<R> {
+        verdict::found(
+            &self.cache,
+            req.scope,
+            record,
+            req.fingerprint,
+            read,
+            waited,
+        )
+        .await
     }
 
     /// Polls the ledger until the record leaves `in_progress` or the deadline passes,
@@ -453,8 +356,15 @@ impl<L: Ledger, C: Cache> Engine<L, C> {
                     expires_at: Some(expires_at),
                 };
                 // The row expires `ttl` after its commit, which came after `committing`.
-                let ttl = req.policy.ttl.saturating_sub(committing.elapsed());
-                self.cache.complete(scope, attempt.id, &entry, ttl).await;
+                verdict::remember(
+                    &self.cache,
+                    scope,
+                    attempt.id,
+                    &entry,
+                    req.policy.ttl,
+                    committing,
+                )
+                .await;
                 Outcome::Executed {
                     response: passthrough,
                     expires_at: Some(expires_at),
@@ -507,12 +417,6 @@ impl<L: Ledger, C: Cache> Engine<L, C> {
         }
         self.cache.unlock(scope, attempt).await;
     }
-}
-
-/// What an existing record means for a request: an answer now, or still running.
-enum Existing<R> {
-    Answered(Outcome<R>),
-    Running(Box<Record>),
 }
 
 /// How a wait for a running record ended.

@@ -8,8 +8,10 @@
 //! - [`policy`]: per-route TTL, lease, wait, and what an upstream answer means
 //!   ([`policy::Disposition`]: keep, release or uncertain).
 //! - [`ports`]: the [`Ledger`] and [`Cache`] traits that the storage adapters implement.
-//! - [`verdict`]: what an existing record answers (replay, mismatch, in progress), the
-//!   decision the engine and embedded mode share.
+//! - [`outcome`]: what an execution did and what a request came to, the vocabulary the
+//!   engine and embedded mode share.
+//! - [`verdict`]: what an existing record answers (replay, mismatch, in progress), and the
+//!   steps on a found record and a completed answer, which the engine and embedded mode share.
 //! - [`engine`]: claim → execute → complete/release over those two.
 //! - [`local`]: a bounded in-process cache of completed responses over another cache.
 //! - [`reconcile`]: what the reconciler does with a key whose outcome is unknown.
@@ -24,6 +26,7 @@ pub mod fingerprint;
 pub mod headers;
 pub mod key;
 pub mod local;
+pub mod outcome;
 pub mod policy;
 pub mod ports;
 pub mod reconcile;
@@ -31,9 +34,10 @@ pub mod record;
 pub mod scope;
 pub mod verdict;
 
-pub use engine::{Attempt, Engine, Execution, Outcome, Request, UnknownCause};
+pub use engine::{Attempt, Engine, Request};
 pub use fingerprint::{BodyKind, Fingerprint};
 pub use key::{IdempotencyKey, KeyError};
+pub use outcome::{Execution, Outcome, UnknownCause};
 pub use policy::{Disposition, OnInProgress, Policy, StatusSet};
 pub use ports::{
     Busy, Cache, CacheEntry, CacheLookup, Claim, ClaimResult, Completed, Fence, Ledger,

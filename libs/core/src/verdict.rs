@@ -6,13 +6,18 @@
 //! from a cache of completed answers (with none: the cache bounded it when it was
 //! filled). [`Verdict::of`] / [`Verdict::of_cached`] say what it means for this request;
 //! [`Verdict::decide`] says what to answer, and for how long a cache may keep a copy.
+//! [`found`] and [`remember`] are the two steps both modes take with a cache: a found
+//! record answered (its replay kept while its row lives), and a completed answer kept.
 
 use std::time::Duration;
 
-use crate::engine::Outcome;
+use tokio::time::Instant;
+
 use crate::fingerprint::Fingerprint;
-use crate::ports::CacheEntry;
-use crate::record::{Record, RecordState};
+use crate::outcome::Outcome;
+use crate::ports::{Cache, CacheEntry};
+use crate::record::{AttemptId, Record, RecordState};
+use crate::scope::Scope;
 
 /// `Retry-After` while the first attempt is within its lease.
 pub const RETRY_SOON: Duration = Duration::from_secs(1);
@@ -114,6 +119,55 @@ impl Verdict {
             Self::Running(record) => Decision::Running(record),
         }
     }
+}
+
+/// A record found for a request (by a claim, or a wait): an answer now, or still running.
+#[derive(Debug)]
+pub enum Found<R> {
+    Answered(Outcome<R>),
+    Running(Box<Record>),
+}
+
+/// What `record`, read by a statement sent at `read`, comes to for a request with
+/// `fingerprint`; a replay is kept in `cache` for as long as its row lives (the ledger
+/// measured that no earlier than `read`) — an answer stored without its body too: a
+/// retry gets the same answer from the copy as from the row.
+pub async fn found<R>(
+    cache: &impl Cache,
+    scope: &Scope,
+    record: Record,
+    fingerprint: &Fingerprint,
+    read: Instant,
+    waited: bool,
+) -> Found<R> {
+    match Verdict::of(record, fingerprint).decide(read.elapsed(), waited) {
+        Decision::Replay {
+            entry,
+            keep_for,
+            waited,
+        } => {
+            if let Some(ttl) = keep_for {
+                cache.fill(scope, &entry, ttl).await;
+            }
+            Found::Answered(replayed(entry, waited))
+        }
+        Decision::Answer(outcome) => Found::Answered(outcome),
+        Decision::Running(record) => Found::Running(record),
+    }
+}
+
+/// Keeps `entry`, the answer `attempt` just recorded, in `cache` for as long as its row
+/// lives: `ttl` from the commit, which came after `committing`.
+pub async fn remember(
+    cache: &impl Cache,
+    scope: &Scope,
+    attempt: AttemptId,
+    entry: &CacheEntry,
+    ttl: Duration,
+    committing: Instant,
+) {
+    let left = ttl.saturating_sub(committing.elapsed());
+    cache.complete(scope, attempt, entry, left).await;
 }
 
 /// The answer that replays `entry`.

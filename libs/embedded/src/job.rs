@@ -210,7 +210,34 @@ pub enum OnceError<E> {
     Internal,
 }
 
+/// What a consumer does next with a job that ended in a [`OnceError`] ([`OnceError::next`]).
+#[derive(Debug, PartialEq, Eq)]
+pub enum Next<'a, E> {
+    /// Done: the job can never run as it is (invalid, its key used for another payload,
+    /// or run once already with a result too large to keep). Acknowledge the message.
+    Acknowledge,
+    /// Nothing was kept, or the outcome is not known yet: deliver it again later (leave
+    /// the message pending).
+    Redeliver,
+    /// The operation's own error, everything it wrote rolled back and the key free:
+    /// whether it is final is the operation's to say.
+    Operation(&'a E),
+}
+
 impl<E> OnceError<E> {
+    /// What to do with the job's message: the one place that says which errors are final.
+    pub fn next(&self) -> Next<'_, E> {
+        match self {
+            Self::Invalid(_) | Self::Mismatch | Self::NotKept => Next::Acknowledge,
+            Self::Failed(error) => Next::Operation(error),
+            Self::InProgress { .. }
+            | Self::Unavailable
+            | Self::OutcomeUnknown
+            | Self::Overloaded
+            | Self::Internal => Next::Redeliver,
+        }
+    }
+
     fn of(problem: Problem) -> Self {
         match problem {
             Problem::LedgerUnavailable => Self::Unavailable,
@@ -221,7 +248,7 @@ impl<E> OnceError<E> {
     }
 }
 
-impl Idempotency {
+impl<T> Idempotency<T> {
     /// Runs `operation` at most once for `job`'s key: the claim, everything `operation`
     /// writes through its [`Tx`] and the [`Stored`] result it returns commit together, or
     /// not at all. A redelivery of the job finds the committed record and gets
@@ -230,8 +257,8 @@ impl Idempotency {
     /// [`OnceError::InProgress`]. `operation`'s error rolls everything back and leaves the
     /// key free ([`OnceError::Failed`]).
     ///
-    /// Acknowledge a queue's message only once this returns `Ok` (or an error that says
-    /// the message is done: [`OnceError::Mismatch`], [`OnceError::Invalid`]).
+    /// Acknowledge a queue's message only once this returns `Ok`, or an error whose
+    /// [`OnceError::next`] says the message is done.
     pub async fn once<E, F, Fut>(&self, job: Job, operation: F) -> Result<Once, OnceError<E>>
     where
         F: FnOnce(Tx) -> Fut,
@@ -280,5 +307,40 @@ fn answered<E>(outcome: Outcome<Infallible>) -> Result<Once, OnceError<E>> {
         | Outcome::Uncertain(_)
         | Outcome::UpstreamUnavailable
         | Outcome::Unknown(_) => Err(OnceError::Internal),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+
+    #[test]
+    fn which_errors_are_final_is_said_once() {
+        let next = |error: OnceError<&str>| match error.next() {
+            Next::Acknowledge => "ack",
+            Next::Redeliver => "redeliver",
+            Next::Operation(_) => "operation",
+        };
+        for done in [
+            OnceError::Invalid("no key".into()),
+            OnceError::Mismatch,
+            OnceError::NotKept,
+        ] {
+            assert_eq!(next(done), "ack");
+        }
+        for passing in [
+            OnceError::InProgress {
+                retry_after: Duration::from_secs(1),
+            },
+            OnceError::Unavailable,
+            OnceError::OutcomeUnknown,
+            OnceError::Overloaded,
+            OnceError::Internal,
+        ] {
+            assert_eq!(next(passing), "redeliver");
+        }
+        assert_eq!(next(OnceError::Failed("card declined")), "operation");
     }
 }

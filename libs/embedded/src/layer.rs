@@ -36,22 +36,24 @@ use tower_layer::Layer;
 use tower_service::Service;
 use tracing::{Instrument, Span};
 
-use crate::Shared;
 use crate::answer::{self, HandlerBody, PassOn, not_executed, respond};
 use crate::once::{self, Finish, Run};
 use crate::tx::Slot;
+use crate::{Shared, TenantFrom};
 
 /// Makes a route idempotent: [`crate::Idempotency::layer`].
 #[derive(Debug, Clone)]
 pub struct IdempotencyLayer {
     shared: Arc<Shared>,
+    tenant: TenantFrom,
     endpoint: Arc<str>,
 }
 
 impl IdempotencyLayer {
-    pub(crate) fn new(shared: Arc<Shared>, endpoint: &str) -> Self {
+    pub(crate) fn new(shared: Arc<Shared>, tenant: TenantFrom, endpoint: &str) -> Self {
         Self {
             shared,
+            tenant,
             endpoint: endpoint.into(),
         }
     }
@@ -64,6 +66,7 @@ impl<S> Layer<S> for IdempotencyLayer {
         IdempotencyService {
             inner,
             shared: self.shared.clone(),
+            tenant: self.tenant.clone(),
             endpoint: self.endpoint.clone(),
         }
     }
@@ -74,6 +77,7 @@ impl<S> Layer<S> for IdempotencyLayer {
 pub struct IdempotencyService<S> {
     inner: S,
     shared: Arc<Shared>,
+    tenant: TenantFrom,
     endpoint: Arc<str>,
 }
 
@@ -96,6 +100,7 @@ where
         let clone = self.inner.clone();
         let inner = std::mem::replace(&mut self.inner, clone);
         let shared = self.shared.clone();
+        let tenant = self.tenant.clone();
         let endpoint = self.endpoint.clone();
         let span =
             propagation::request_span(request.method(), request.uri().path(), request.headers());
@@ -105,7 +110,7 @@ where
         let request = Request::from_parts(parts, body);
         Box::pin(
             async move {
-                let mut response = serve(&shared, &endpoint, inner, request)
+                let mut response = serve(&shared, &tenant, &endpoint, inner, request)
                     .await
                     .unwrap_or_else(|problem| problem.into_response());
                 consumed.close_unless_done(&mut response).await;
@@ -121,6 +126,7 @@ where
 /// One request: read, claim, run, store, commit, answer.
 async fn serve<S>(
     shared: &Shared,
+    tenant: &TenantFrom,
     endpoint: &str,
     inner: S,
     request: Request,
@@ -130,8 +136,7 @@ where
 {
     let options = &shared.settings;
     let (mut parts, body) = request.into_parts();
-    let tenant = shared
-        .tenant
+    let tenant = tenant
         .of(&parts.headers)
         .await
         .map_err(Problem::Unauthorized)?;

@@ -44,6 +44,7 @@
 //!   [`Idempotency::once`] on it.
 //! - [`layer`]: the tower layer, and one request through it.
 //! - [`tx`]: the [`Tx`] extractor.
+//! - `shared`: what every run shares (pool, settings, replay memory, bounds).
 //! - `gate`: one request per key at a time from this process; its duplicates wait in memory.
 #![forbid(unsafe_code)]
 
@@ -52,6 +53,7 @@ mod gate;
 pub mod job;
 pub mod layer;
 pub mod once;
+mod shared;
 pub mod tx;
 
 use std::sync::Arc;
@@ -66,9 +68,11 @@ use idem_core::policy::{StatusEntry, StatusSet};
 use sqlx::PgPool;
 
 pub use idem_postgres::migrate;
-pub use job::{Job, Once, OnceError, Stored};
+pub use job::{Job, Next, Once, OnceError, Stored};
 pub use layer::{IdempotencyLayer, IdempotencyService};
 pub use tx::Tx;
+
+pub(crate) use shared::Shared;
 
 /// Where the tenant of a request comes from. There is no default: a service chooses its
 /// source, and an [`Options`] without one cannot build an [`Idempotency`].
@@ -123,12 +127,21 @@ impl TenantFrom {
 pub struct NoTenant;
 
 /// How the layer treats requests: `[idempotency]`'s defaults, and the tenant source the
-/// service chooses. Only an `Options<TenantFrom>` builds an [`Idempotency`]:
+/// service chooses. Only an `Options<TenantFrom>` builds an [`Idempotency`] with a layer:
 ///
 /// ```compile_fail
 /// # async fn no_tenant(pool: sqlx::PgPool) {
-/// // No tenant source: this does not compile, so no default can trust a header.
+/// // No tenant source: no layer, so no default can trust a header.
 /// let idem = idem_embedded::Idempotency::new(pool, idem_embedded::Options::default());
+/// let layer = idem.layer("POST /payments");
+/// # }
+/// ```
+///
+/// ```
+/// # async fn jobs_only(pool: sqlx::PgPool) {
+/// // A consumer's jobs carry their tenant: no source to choose.
+/// let idem = idem_embedded::Idempotency::new(pool, idem_embedded::Options::default());
+/// # let _ = idem;
 /// # }
 /// ```
 ///
@@ -283,33 +296,19 @@ impl<T> Options<T> {
 }
 
 /// The idempotency of a service: its pool, options and replay memory. Cheap to clone;
-/// one per service, with a [`layer`](Idempotency::layer) per idempotent route.
+/// one per service, with a [`layer`](Idempotency::layer) per idempotent route — which
+/// only an `Idempotency<TenantFrom>` has: a service that only runs jobs
+/// ([`Idempotency::once`], whose tenant comes with each job) chooses no tenant source.
 #[derive(Debug, Clone)]
-pub struct Idempotency {
+pub struct Idempotency<T = TenantFrom> {
     shared: Arc<Shared>,
+    tenant: T,
 }
 
-#[derive(Debug)]
-pub(crate) struct Shared {
-    pub(crate) pool: PgPool,
-    pub(crate) tenant: TenantFrom,
-    pub(crate) settings: Settings,
-    /// The statement that begins a request's transaction, its claim's first lock wait.
-    pub(crate) begin: String,
-    /// Keys this process is serving: their duplicates wait here.
-    pub(crate) gates: gate::Gates,
-    /// Connections that may wait on another process's claim at once.
-    pub(crate) lock_waits: tokio::sync::Semaphore,
-    /// Large stored answers in memory, within `max_replay_bytes_in_flight`.
-    pub(crate) bodies: idem_postgres::ledger::bodies::Bodies,
-    pub(crate) replays: Local<NoCache>,
-    pub(crate) fingerprints: idem_http::Fingerprinter,
-}
-
-impl Idempotency {
+impl<T> Idempotency<T> {
     /// The records live in `pool`'s database, in the table the project's migrations
     /// create ([`migrate`]).
-    pub fn new(pool: PgPool, options: Options<TenantFrom>) -> Self {
+    pub fn new(pool: PgPool, options: Options<T>) -> Self {
         let Options { tenant, settings } = options;
         let begin = once::begin_waiting(once::FIRST_LOCK_WAIT.min(settings.lock_wait));
         let lock_waits = settings
@@ -320,9 +319,9 @@ impl Idempotency {
         let bodies =
             idem_postgres::ledger::bodies::Bodies::new(settings.max_replay_bytes_in_flight);
         Self {
+            tenant,
             shared: Arc::new(Shared {
                 pool,
-                tenant,
                 settings,
                 begin,
                 gates: gate::Gates::default(),
@@ -333,11 +332,13 @@ impl Idempotency {
             }),
         }
     }
+}
 
+impl Idempotency<TenantFrom> {
     /// The layer for one route. `endpoint` names it in the records' scope, as a gateway
     /// route's method and path template do (`"POST /payments"`): a route moved from the
     /// gateway keeps its keys only under the same name.
     pub fn layer(&self, endpoint: &str) -> IdempotencyLayer {
-        IdempotencyLayer::new(self.shared.clone(), endpoint)
+        IdempotencyLayer::new(self.shared.clone(), self.tenant.clone(), endpoint)
     }
 }

@@ -26,8 +26,8 @@ use std::time::{Duration, SystemTime};
 
 use idem_core::verdict;
 use idem_core::{
-    AttemptId, Cache, CacheEntry, Claim, ClaimResult, Completed, Fingerprint, Outcome, Scope,
-    StoredResponse, Verdict,
+    AttemptId, CacheEntry, Claim, ClaimResult, Completed, Fingerprint, Outcome, Scope,
+    StoredResponse,
 };
 use idem_http::Problem;
 use idem_postgres::ledger::in_tx;
@@ -133,8 +133,11 @@ where
                 tx.shrink_buffers();
             }
             drop(tx);
-            let verdict = Verdict::of(record, &fingerprint);
-            return Ok(Run::Answered(existing(shared, scope, verdict, read).await));
+            let found = verdict::found(&shared.replays, scope, record, &fingerprint, read, false);
+            return Ok(Run::Answered(match found.await {
+                verdict::Found::Answered(outcome) => outcome,
+                verdict::Found::Running(record) => verdict::in_progress(&record, false),
+            }));
         }
         // The first run's claim is still uncommitted after `lock_wait`.
         ClaimResult::Locked => return Ok(Run::Answered(verdict::locked_out(false))),
@@ -193,37 +196,8 @@ where
     };
     // The row expires `ttl` after its transaction began (Postgres's `now()`), which
     // was after `begun`.
-    let left = options.ttl.saturating_sub(begun.elapsed());
-    if !entry.response.body_omitted {
-        shared.replays.fill(scope, &entry, left).await;
-    }
+    verdict::remember(&shared.replays, scope, attempt, &entry, options.ttl, begun).await;
     Ok(Run::Committed { expires_at, carry })
-}
-
-/// What a live record found by the claim comes to. `read`: when the statement that read
-/// it was answered, to hold a copy no longer than the row lives.
-async fn existing(
-    shared: &Shared,
-    scope: &Scope,
-    verdict: Verdict,
-    read: Instant,
-) -> Outcome<Infallible> {
-    match verdict.decide(read.elapsed(), false) {
-        verdict::Decision::Replay {
-            entry,
-            keep_for,
-            waited,
-        } => {
-            if let Some(left) = keep_for
-                && !entry.response.body_omitted
-            {
-                shared.replays.fill(scope, &entry, left).await;
-            }
-            verdict::replayed(entry, waited)
-        }
-        verdict::Decision::Answer(outcome) => outcome,
-        verdict::Decision::Running(record) => verdict::in_progress(&record, false),
-    }
 }
 
 /// Begins the run's transaction and claims the key on it, waiting on another

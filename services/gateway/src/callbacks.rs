@@ -208,15 +208,11 @@ impl Callbacks {
             .body(Full::new(body))
             .map_err(|e| e.to_string())?;
         let exchange = async {
-            let response = self.client.request(request).await.map_err(|e| {
-                let mut why = e.to_string();
-                let mut source = std::error::Error::source(&e);
-                while let Some(inner) = source {
-                    why = format!("{why}: {inner}");
-                    source = inner.source();
-                }
-                why
-            })?;
+            let response = self
+                .client
+                .request(request)
+                .await
+                .map_err(|e| idem_core::error_chain(&e))?;
             let status = response.status();
             // Read (and drop) a bounded body, so the connection can carry the next one.
             let _ = http_body_util::Limited::new(response.into_body(), 64 * 1024)

@@ -28,7 +28,7 @@ use std::path::Path;
 use std::time::Duration;
 
 use anyhow::Context;
-use idem_embedded::{Idempotency, Job, Once, OnceError, Options, Stored, TenantFrom};
+use idem_embedded::{Idempotency, Job, Next, NoTenant, Once, Options, Stored};
 use idem_telemetry::failpoint;
 use redis::aio::MultiplexedConnection;
 use redis::streams::{StreamAutoClaimOptions, StreamAutoClaimReply, StreamId, StreamReadReply};
@@ -63,7 +63,7 @@ pub(crate) struct Consumer {
     max_deliveries: u64,
     dead_letter: String,
     redis: redis::Client,
-    idem: Idempotency,
+    idem: Idempotency<NoTenant>,
 }
 
 impl Consumer {
@@ -117,13 +117,8 @@ impl Consumer {
         idem_embedded::migrate(&pool)
             .await
             .context("applying the idempotency migrations")?;
-        // No HTTP in this mode: the tenant comes with each message, and no request ever
-        // asks the layer's tenant source.
-        let tenant = TenantFrom::Header(http::HeaderName::from_static("x-tenant-id"));
-        let idem = Idempotency::new(
-            pool.clone(),
-            Options::from_config(&config.idempotency).tenant(tenant),
-        );
+        // No HTTP in this mode: the tenant comes with each message.
+        let idem = Idempotency::new(pool.clone(), Options::from_config(&config.idempotency));
         Ok(Self {
             endpoint: format!("stream:{stream}"),
             stream,
@@ -267,19 +262,16 @@ impl Consumer {
             Ok(Once::Replayed(_)) => {
                 tracing::info!(id = %message.id, %key, "already paid: the stored receipt replayed")
             }
-            Err(
-                error @ (OnceError::Invalid(_)
-                | OnceError::Mismatch
-                | OnceError::NotKept
-                | OnceError::Failed(Refused::Input(_))),
-            ) => {
+            Err(error) => match error.next() {
                 // Final: the message can never be paid as it is.
-                tracing::error!(id = %message.id, %key, %error, "refused (acknowledged)");
-            }
-            Err(error) => {
-                tracing::warn!(id = %message.id, %key, %error, "left pending: taken over after the claim idle time");
-                return Ok(());
-            }
+                Next::Acknowledge | Next::Operation(Refused::Input(_)) => {
+                    tracing::error!(id = %message.id, %key, %error, "refused (acknowledged)");
+                }
+                Next::Redeliver | Next::Operation(Refused::Db(_)) => {
+                    tracing::warn!(id = %message.id, %key, %error, "left pending: taken over after the claim idle time");
+                    return Ok(());
+                }
+            },
         }
         failpoint::stop_here("consumer-before-ack");
         self.ack(conn, message).await
