@@ -187,51 +187,24 @@ impl Application {
             readiness,
         };
         let state = Arc::new(state);
-        // Wakes the result waiters whose keys settled, for as long as the state lives.
-        let weak = Arc::downgrade(&state);
-        tokio::spawn(async move {
-            let mut every = tokio::time::interval(crate::waiters::POLL);
-            every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-            loop {
-                every.tick().await;
-                let Some(state) = weak.upgrade() else { return };
-                state.waiters.poll(state.engine.ledger()).await;
-            }
+        // Wakes the result waiters whose keys settled.
+        every(&state, crate::waiters::POLL, |state| async move {
+            state.waiters.poll(state.engine.ledger()).await;
         });
-        // Sends the settlement callbacks due, for as long as the state lives, if any
-        // tenant has a callback (whichever replica settled their keys).
+        // Sends the settlement callbacks due, if any tenant has a callback (whichever
+        // replica settled their keys).
         if state.callbacks.any() {
-            let weak = Arc::downgrade(&state);
-            tokio::spawn(async move {
-                let mut every = tokio::time::interval(crate::callbacks::TURN);
-                every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-                loop {
-                    every.tick().await;
-                    let Some(state) = weak.upgrade() else { return };
-                    state.callbacks.turn(state.engine.ledger()).await;
-                }
+            every(&state, crate::callbacks::TURN, |state| async move {
+                state.callbacks.turn(state.engine.ledger()).await;
             });
         }
-        // Writes the refusals counted since their last line, for as long as the state lives.
-        let weak = Arc::downgrade(&state);
-        tokio::spawn(async move {
-            let mut every = tokio::time::interval(std::time::Duration::from_secs(1));
-            loop {
-                every.tick().await;
-                let Some(state) = weak.upgrade() else { return };
-                state.refusals.flush();
-            }
+        // Writes the refusals counted since their last line.
+        every(&state, Duration::from_secs(1), |state| async move {
+            state.refusals.flush();
         });
-        // Forgets idle tenants' buckets and counters, for as long as the state lives.
-        let weak = Arc::downgrade(&state);
-        tokio::spawn(async move {
-            let mut every = tokio::time::interval(tenants::TIDY_EVERY);
-            every.tick().await;
-            loop {
-                every.tick().await;
-                let Some(state) = weak.upgrade() else { return };
-                state.tenants.tidy();
-            }
+        // Forgets idle tenants' buckets and counters.
+        every(&state, tenants::TIDY_EVERY, |state| async move {
+            state.tenants.tidy()
         });
         Ok(Self {
             listener,
@@ -312,6 +285,25 @@ impl Application {
             }
         }
     }
+}
+
+/// Runs `turn` every `period` (the first at once; a late one delays the next), for as long
+/// as the state lives: the task holds it only during a turn.
+fn every<F, Fut>(state: &Arc<AppState>, period: Duration, turn: F)
+where
+    F: Fn(Arc<AppState>) -> Fut + Send + 'static,
+    Fut: Future<Output = ()> + Send,
+{
+    let weak = Arc::downgrade(state);
+    tokio::spawn(async move {
+        let mut ticks = tokio::time::interval(period);
+        ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            ticks.tick().await;
+            let Some(state) = weak.upgrade() else { return };
+            turn(state).await;
+        }
+    });
 }
 
 pub fn router(state: Arc<AppState>) -> Router {
