@@ -97,6 +97,12 @@ impl Demo {
         Self::embedded(db, config_text, &all).await
     }
 
+    /// The demo as a card processor (`PAYMENTS_DEMO_MODE=processor`): `POST /charges`,
+    /// once per `Idempotency-Key`.
+    pub async fn processor(db: &TestDb) -> Self {
+        Self::spawn(db, &[("PAYMENTS_DEMO_MODE", "processor")]).await
+    }
+
     async fn spawn(db: &TestDb, env: &[(&str, &str)]) -> Self {
         let mut child = Command::new(binary("payments-demo", "services/payments-demo/src"))
             .env("PAYMENTS_DEMO_LISTEN", "127.0.0.1:0")

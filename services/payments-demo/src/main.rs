@@ -28,6 +28,10 @@
 //! at most once, through `idem-embedded`'s `once` ([`consumer`]); it serves only
 //! `GET /healthz` then.
 //!
+//! With `PAYMENTS_DEMO_MODE=processor` it is a card processor instead ([`processor`]):
+//! `POST /charges` charges once per `Idempotency-Key`, as the downstream a payment service
+//! calls out to.
+//!
 //! # Why one file of ~400 lines
 //! The demo is read as one page: its routes, the rows they write and the headers that
 //! bend them for tests (delay, failure, probe) side by side; its embedded mode
@@ -37,6 +41,7 @@
 mod consumer;
 mod embedded;
 mod outbox;
+mod processor;
 
 use std::time::Duration;
 
@@ -84,6 +89,7 @@ const SCHEMA: &[&str] = &[
         created_at timestamptz NOT NULL DEFAULT clock_timestamp(),
         delivered_at timestamptz)",
     "CREATE INDEX IF NOT EXISTS demo_outbox_pending_idx ON demo_outbox (created_at) WHERE delivered_at IS NULL",
+    processor::SCHEMA,
 ];
 
 /// The two kinds of operation the demo performs; they differ only in names.
@@ -112,7 +118,7 @@ macro_rules! insert_sql {
     };
 }
 
-const PAYMENT: Kind = Kind {
+pub(crate) const PAYMENT: Kind = Kind {
     table: "demo_payments",
     id_field: "paymentId",
     ref_field: "orderId",
@@ -155,6 +161,7 @@ async fn main() -> anyhow::Result<()> {
     let app = match std::env::var("PAYMENTS_DEMO_MODE").as_deref() {
         Ok("upstream") | Err(_) => upstream_app(pool.clone()),
         Ok("embedded") => embedded::app(pool.clone()).await?,
+        Ok("processor") => processor::app(pool.clone()),
         Ok("consumer") => {
             let consumer = consumer::Consumer::from_env(pool.clone()).await?;
             let membership = consumer.membership();
@@ -178,7 +185,7 @@ async fn main() -> anyhow::Result<()> {
                 .route("/metrics", get(move || async move { metrics.render() }))
         }
         Ok(other) => anyhow::bail!(
-            "PAYMENTS_DEMO_MODE={other:?}: expected \"upstream\", \"embedded\" or \"consumer\""
+            "PAYMENTS_DEMO_MODE={other:?}: expected \"upstream\", \"embedded\", \"consumer\" or \"processor\""
         ),
     };
     let listener = tokio::net::TcpListener::bind(&listen)
@@ -244,7 +251,7 @@ async fn create_schema(pool: &PgPool) -> sqlx::Result<()> {
     tx.commit().await
 }
 
-fn problem(status: StatusCode, detail: &str) -> Response {
+pub(crate) fn problem(status: StatusCode, detail: &str) -> Response {
     (status, Json(json!({"error": detail}))).into_response()
 }
 
@@ -288,11 +295,11 @@ async fn create(
 }
 
 /// `X-Demo-Fail: 500`.
-fn failure_injected(headers: &HeaderMap) -> bool {
+pub(crate) fn failure_injected(headers: &HeaderMap) -> bool {
     headers.get("x-demo-fail").is_some_and(|v| v == "500")
 }
 
-fn injected_failure() -> Response {
+pub(crate) fn injected_failure() -> Response {
     let mut response = (
         StatusCode::INTERNAL_SERVER_ERROR,
         Json(json!({
@@ -311,7 +318,7 @@ fn injected_failure() -> Response {
 }
 
 /// `X-Demo-Delay-Ms: N`.
-fn delay(headers: &HeaderMap) -> Option<Duration> {
+pub(crate) fn delay(headers: &HeaderMap) -> Option<Duration> {
     headers
         .get("x-demo-delay-ms")
         .and_then(|v| v.to_str().ok())
@@ -322,8 +329,8 @@ fn delay(headers: &HeaderMap) -> Option<Duration> {
 /// A valid payment or refund, as asked for.
 pub(crate) struct Input {
     kind: Kind,
-    reference: String,
-    amount: i64,
+    pub(crate) reference: String,
+    pub(crate) amount: i64,
 }
 
 impl Input {
