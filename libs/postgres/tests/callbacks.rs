@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use common::*;
 use idem_core::{ClaimResult, Completed, Fence, Ledger};
+use idem_postgres::OperatorRelease;
 use idem_postgres::ledger::callbacks::{Settled, Whose};
 use idem_testkit::TestDb;
 
@@ -106,7 +107,8 @@ async fn releases_and_resolutions_are_told_when_marked_or_asked() {
             ("resolved".into(), "completed".into(), Some(201)),
         ]
     );
-    // Told under the attempt that settled, which names the key for the receiver.
+    // Told under the attempt the row settled with (the reconciler's fresh one), which a
+    // later mark of the row finds.
     let due = ledger
         .take_callbacks(10, LEASE, Whose::Every)
         .await
@@ -115,7 +117,9 @@ async fn releases_and_resolutions_are_told_when_marked_or_asked() {
         .iter()
         .find(|d| d.scope.key.as_str() == "resolved")
         .unwrap();
-    assert_eq!(resolved.attempt, attempts[3].0);
+    let record = ledger.get(&scope("resolved")).await.unwrap().unwrap();
+    assert_eq!(resolved.attempt, record.attempt.0);
+    assert_ne!(resolved.attempt, attempts[3].0);
     assert_eq!(resolved.state, Settled::Completed);
 }
 
@@ -190,5 +194,89 @@ async fn one_sender_per_callback_and_reports_fenced_by_the_delivery() {
             .await
             .unwrap()
             .is_empty()
+    );
+}
+
+/// A settlement told is told once under one id, whoever asks again: a mark after the
+/// reconciler's resolution (a retry answered 202 meanwhile) finds it told already.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_mark_after_a_resolution_tells_nothing_more() {
+    let db = TestDb::create().await;
+    let ledger = ledger(&db).await;
+    let scope = scope("resolved-then-marked");
+    claim(&ledger, &scope, Duration::from_millis(1)).await;
+    assert!(ledger.mark_callback(&scope).await.unwrap());
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    let stuck = ledger.take_stuck(10, LEASE).await.unwrap();
+    let resolved = ledger
+        .resolve(&stuck[0], &response("probe"), KEEP, false)
+        .await;
+    assert_eq!(resolved.unwrap(), Fence::Held);
+    assert!(ledger.mark_callback(&scope).await.unwrap());
+    let told = ledger
+        .take_callbacks(10, LEASE, Whose::Every)
+        .await
+        .unwrap();
+    assert_eq!(told.len(), 1, "{told:?}");
+}
+
+/// A new attempt on a key whose marked record expired starts unmarked: its client is
+/// answered as any other, and its completion tells nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_new_attempt_on_an_expired_marked_key_is_not_marked() {
+    let db = TestDb::create().await;
+    let ledger = ledger(&db).await;
+    let scope = scope("expired-then-claimed");
+    let (first, _) = claim(&ledger, &scope, LEASE).await;
+    ledger.mark_callback(&scope).await.unwrap();
+    let done = ledger
+        .complete(
+            &scope,
+            first,
+            &fingerprint(),
+            &response("paid"),
+            Duration::from_millis(1),
+        )
+        .await
+        .unwrap();
+    assert!(matches!(done, Completed::Recorded { .. }));
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    let (second, claimed) = claim(&ledger, &scope, LEASE).await;
+    assert!(matches!(claimed, ClaimResult::Claimed), "{claimed:?}");
+    ledger
+        .complete(
+            &scope,
+            second,
+            &fingerprint(),
+            &response("paid again"),
+            KEEP,
+        )
+        .await
+        .unwrap();
+    assert_eq!(outbox(&db).await.len(), 1, "{:?}", outbox(&db).await);
+}
+
+/// An operator's release tells `not_executed` for a tenant with a callback.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_operators_release_is_told_when_asked() {
+    let db = TestDb::create().await;
+    let ledger = ledger(&db).await;
+    let (told, quiet) = (scope("operator-told"), scope("operator-quiet"));
+    let (a, _) = claim(&ledger, &told, Duration::from_millis(1)).await;
+    let (b, _) = claim(&ledger, &quiet, Duration::from_millis(1)).await;
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    for (scope, attempt, tell) in [(&told, a, true), (&quiet, b, false)] {
+        let released = ledger
+            .release_by_operator(scope, attempt, false, "test: held", tell)
+            .await
+            .unwrap();
+        assert!(matches!(
+            released,
+            OperatorRelease::Released { forced: false }
+        ));
+    }
+    assert_eq!(
+        outbox(&db).await,
+        vec![("operator-told".into(), "not_executed".into(), None)]
     );
 }

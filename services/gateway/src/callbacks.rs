@@ -33,8 +33,9 @@ pub const RETRY_FOR: Duration = Duration::from_secs(72 * 3600);
 /// How often a sender looks for callbacks due.
 pub const TURN: Duration = Duration::from_secs(1);
 
-/// The most callbacks one turn takes (and sends at once).
-const BATCH: i64 = 32;
+/// The most callbacks a replica sends at once: a turn takes no more than are free, and
+/// does not wait for a slow receiver's before the next turn takes more.
+const IN_FLIGHT: usize = 64;
 
 /// The longest a receiver is given to answer.
 const DELIVERY_TIMEOUT: Duration = Duration::from_secs(10);
@@ -53,6 +54,14 @@ struct Target {
 }
 
 impl Target {
+    /// The URL as logs and the outbox's `last_error` show it: scheme, host and port, never
+    /// a path or query that may carry a token.
+    fn shown(&self) -> String {
+        let scheme = self.url.scheme_str().unwrap_or("http");
+        let host = self.url.authority().map_or("", |a| a.as_str());
+        format!("{scheme}://{host}")
+    }
+
     fn of(entry: &TenantConfig) -> Option<Arc<Self>> {
         let url = entry.callback_url.as_ref()?.parse().ok()?;
         let secret_file = entry.callback_secret_file.clone()?;
@@ -78,6 +87,8 @@ pub struct Callbacks {
     /// entry has one).
     telling: Vec<String>,
     client: Client<hyper_rustls::HttpsConnector<HttpConnector>, Full<Bytes>>,
+    /// Places for deliveries in flight.
+    sending: Arc<tokio::sync::Semaphore>,
 }
 
 impl Callbacks {
@@ -96,6 +107,7 @@ impl Callbacks {
             named,
             default: Target::of(tenants.default_entry()),
             client: Client::builder(TokioExecutor::new()).build(connector),
+            sending: Arc::new(tokio::sync::Semaphore::new(IN_FLIGHT)),
         })
     }
 
@@ -116,26 +128,36 @@ impl Callbacks {
         self.default.is_some() || self.named.values().any(Option::is_some)
     }
 
-    /// One sender's turn: takes the callbacks due (for a lease) and delivers them at once,
-    /// each outcome recorded. Run every [`TURN`] by every replica.
+    /// One sender's turn: takes as many callbacks due as it has free places (each for a
+    /// lease) and starts their deliveries, each outcome recorded when it comes. Run every
+    /// [`TURN`] by every replica.
     pub async fn turn(self: &Arc<Self>, ledger: &PgLedger) {
+        let free = self.sending.available_permits();
+        if free == 0 {
+            return;
+        }
         let tenants = match self.default {
             Some(_) => Whose::Every,
             None => Whose::Only(&self.telling),
         };
-        let due = match ledger.take_callbacks(BATCH, LEASE, tenants).await {
+        let due = match ledger.take_callbacks(free as i64, LEASE, tenants).await {
             Ok(due) => due,
             Err(error) => {
                 tracing::warn!(%error, "could not take the callbacks due; trying again");
                 return;
             }
         };
-        let mut sends = tokio::task::JoinSet::new();
         for due in due {
+            // Only turns take places, one at a time: as many as were free still are.
+            let Ok(place) = self.sending.clone().try_acquire_owned() else {
+                break; // (the rest are taken again after their lease)
+            };
             let (me, ledger) = (self.clone(), ledger.clone());
-            sends.spawn(async move { me.deliver(&ledger, due).await });
+            tokio::spawn(async move {
+                me.deliver(&ledger, due).await;
+                drop(place);
+            });
         }
-        while sends.join_next().await.is_some() {}
     }
 
     /// One delivery of `due`, and its outcome recorded (fenced by the delivery).
@@ -212,7 +234,7 @@ impl Callbacks {
                 .client
                 .request(request)
                 .await
-                .map_err(|e| idem_core::error_chain(&e))?;
+                .map_err(|e| format!("{}: {}", target.shown(), idem_core::error_chain(&e)))?;
             let status = response.status();
             // Read (and drop) a bounded body, so the connection can carry the next one.
             let _ = http_body_util::Limited::new(response.into_body(), 64 * 1024)
@@ -221,14 +243,14 @@ impl Callbacks {
             if status.is_success() {
                 Ok(())
             } else {
-                Err(format!("{} answered {status}", target.url))
+                Err(format!("{} answered {status}", target.shown()))
             }
         };
         match tokio::time::timeout(DELIVERY_TIMEOUT, exchange).await {
             Ok(result) => result,
             Err(_) => Err(format!(
                 "{} did not answer within {DELIVERY_TIMEOUT:?}",
-                target.url
+                target.shown()
             )),
         }
     }

@@ -289,8 +289,8 @@ async fn run(
     let respond_async =
         matches!(route.kind(), RouteKind::Keyed) && h::prefers(&parts.headers, "respond-async");
     let scope = Scope::new(tenant.clone(), route.endpoint.clone(), key.clone());
-    // Kept for a 202's lookup once the task has the scope.
-    let handle = respond_async.then(|| scope.clone());
+    // Kept for a 202's lookup, or a callback's mark, once the task has the scope.
+    let handle = (respond_async || app.callbacks.tells(&tenant)).then(|| scope.clone());
     let span = Span::current();
     // Stored with the claim, so retries can link to this execution's span.
     let trace_context = propagation::traceparent(&span).or_else(|| client_trace.clone());
@@ -362,10 +362,11 @@ async fn run(
                         // 202 and the execution goes on in its task.
                         match tokio::time::timeout(async_wait, &mut ran).await {
                             Ok(ran) => ran,
-                            Err(_) => match respond_accepted(&app, handle.as_ref()).await {
-                                // Its row already gone (released at once): its own answer.
-                                Err(Problem::KeyNotFound) => ran.await,
-                                accepted => return accepted,
+                            Err(_) => match respond_accepted(&app, handle.as_ref()).await? {
+                                Some(accepted) => return Ok(accepted),
+                                // Not handed off (its row already gone, or its callback
+                                // could not be promised): its own answer.
+                                None => ran.await,
                             },
                         }
                     }
@@ -396,13 +397,34 @@ async fn run(
 
     // Respond. A client that prefers not to wait is told where the running operation's
     // result will be, instead of 409.
-    if respond_async && matches!(outcome, Outcome::InProgress { .. }) {
-        // The first's claim not visible yet (a Redis lock younger than its commit), or
-        // gone since: the 409 this retry would have had.
-        match respond_accepted(&app, handle.as_ref()).await {
-            Err(Problem::KeyNotFound) => {}
-            accepted => return accepted,
-        }
+    if respond_async
+        && matches!(outcome, Outcome::InProgress { .. })
+        // Else the first's claim not visible yet (a Redis lock younger than its commit),
+        // gone since, or its callback not promised: the 409 this retry would have had.
+        && let Some(accepted) = respond_accepted(&app, handle.as_ref()).await?
+    {
+        return Ok(accepted);
+    }
+    // A client not given the final answer (503 outcome-unrecorded, 504, or 409 while the
+    // key is held): its tenant is told the settlement, whoever makes it — the reconciler
+    // tells its own; this mark tells a late completion of the attempt itself.
+    if let Some(scope) = handle
+        && app.callbacks.tells(&scope.tenant)
+        && matches!(
+            outcome,
+            Outcome::Unknown(_)
+                | Outcome::InProgress {
+                    outcome_unknown: true,
+                    ..
+                }
+        )
+    {
+        let marking = app.clone();
+        app.tasks.spawn(async move {
+            if let Err(error) = marking.engine.ledger().mark_callback(&scope).await {
+                tracing::warn!(%error, "could not mark a key with an unknown outcome for its callback; the reconciler's settlement still tells it");
+            }
+        });
     }
     let name = outcome.name();
     if let Some(first) = outcome.first_execution() {
@@ -415,26 +437,42 @@ async fn run(
 }
 
 /// 202 for `Prefer: respond-async`: the lookup's JSON, `Location` and `Retry-After`, and
-/// `Preference-Applied: respond-async`; the key marked for its tenant's callback.
-async fn respond_accepted(app: &AppState, scope: Option<&Scope>) -> Result<Response, Problem> {
+/// `Preference-Applied: respond-async`; the key marked for its tenant's callback first.
+/// `None`: the key is not handed off — its row is gone (released), or its tenant's
+/// callback could not be promised (the mark failed) — and the request gets the answer it
+/// would have had without the preference.
+async fn respond_accepted(
+    app: &AppState,
+    scope: Option<&Scope>,
+) -> Result<Option<Response>, Problem> {
     let scope = scope.ok_or(Problem::Internal)?;
-    // Not given its final answer: its tenant is told the settlement, if it asks to be.
-    if app.callbacks.tells(&scope.tenant)
-        && let Err(error) = app.engine.ledger().mark_callback(scope).await
-    {
-        tracing::warn!(%error, "could not mark the key for its settlement's callback");
+    if app.callbacks.tells(&scope.tenant) {
+        match app.engine.ledger().mark_callback(scope).await {
+            Ok(true) => {}
+            Ok(false) => return Ok(None),
+            Err(error) => {
+                tracing::warn!(%error, "could not mark the key for its settlement's callback: answered without respond-async");
+                return Ok(None);
+            }
+        }
     }
-    let mut response = crate::lookup::accepted(app, scope).await?;
+    let mut response = match crate::lookup::accepted(app, scope).await {
+        Ok(response) => response,
+        Err(Problem::KeyNotFound) => return Ok(None),
+        Err(problem) => return Err(problem),
+    };
     response.headers_mut().insert(
         h::PREFERENCE_APPLIED,
         http::HeaderValue::from_static("respond-async"),
     );
     Span::current().record("idempotency.outcome", "in_progress");
-    Ok((
-        axum::Extension(observe::OutcomeLabel("in_progress")),
-        response,
-    )
-        .into_response())
+    Ok(Some(
+        (
+            axum::Extension(observe::OutcomeLabel("in_progress")),
+            response,
+        )
+            .into_response(),
+    ))
 }
 
 /// A proxied answer's body, holding the request's places until it has been sent (or its

@@ -100,10 +100,14 @@ pub const CALLBACK_FAILED_SQL: &str = "UPDATE callbacks AS c SET last_error = $4
      RETURNING c.finished_at IS NOT NULL AS given_up";
 
 /// Forgets up to $1 callbacks finished a day ago (delivered or given up): a repeated
-/// completion comes within seconds of the first. Run with the purge of expired keys.
+/// completion comes within seconds of the first; and those settled four days ago that no
+/// sender took (their tenant's callback removed from every replica's config), past the 72
+/// hours any would have been tried. Run with the purge of expired keys.
 pub const PURGE_CALLBACKS_SQL: &str = "DELETE FROM callbacks AS gone USING (\
        SELECT c.tenant_id, c.attempt FROM callbacks AS c \
-       WHERE c.finished_at < now() - interval '1 day' ORDER BY c.finished_at LIMIT $1 \
+       WHERE c.finished_at < now() - interval '1 day' \
+          OR c.settled_at < now() - interval '4 days' \
+       ORDER BY c.settled_at LIMIT $1 \
        FOR UPDATE SKIP LOCKED) old \
      WHERE gone.tenant_id = old.tenant_id AND gone.attempt = old.attempt";
 

@@ -44,7 +44,8 @@ pub const TAKE_SQL: &str = concat!(
 
 /// Completes the row taken with the attempt in $4 under a fresh attempt ($5), with the
 /// answer $6..$8 and $10 (body omitted), live for $9 ms; tells the settlement (under the
-/// attempt taken) if the row is marked or $11 asks. Returns the rows completed.
+/// fresh attempt, which a later mark of the row finds told) if the row is marked or $11
+/// asks. Returns the rows completed.
 pub const RESOLVE_SQL: &str = concat!(
     "WITH resolved AS (\
        UPDATE idempotency_keys AS k SET status = 'completed', attempt = $5, \
@@ -54,7 +55,7 @@ pub const RESOLVE_SQL: &str = concat!(
      WHERE ",
     rules::owned_by_attempt!(),
     " AND k.status = 'in_progress' \
-       RETURNING k.tenant_id, k.endpoint, k.key, $4::uuid AS attempt, k.response_status, \
+       RETURNING k.tenant_id, k.endpoint, k.key, k.attempt, k.response_status, \
          k.trace_context, (k.callback OR $11::bool) AS tell), \
      told AS (",
     super::callbacks::tell_sql!(

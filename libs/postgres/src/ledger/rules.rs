@@ -86,7 +86,7 @@ macro_rules! nothing_of_the_last_attempt {
     () => {
         "response_status = NULL, response_headers = NULL, response_body = NULL, \
          response_omitted = false, held_since = NULL, first_not_found_at = NULL, \
-         probe_attempts = 0, completed_at = NULL"
+         probe_attempts = 0, completed_at = NULL, callback = false"
     };
 }
 /// What the engine reads of a live row: a body only up to [`super::bodies::INLINE`]
