@@ -303,6 +303,10 @@ impl<L: Ledger, C: Cache> Engine<L, C> {
                     Outcome::Uncertain(passthrough)
                 }
             },
+            Execution::Declined(passthrough) => {
+                self.release(scope, attempt.id).await;
+                Outcome::Released(passthrough)
+            }
             Execution::NotSent => {
                 self.release(scope, attempt.id).await;
                 Outcome::UpstreamUnavailable

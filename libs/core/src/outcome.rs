@@ -7,15 +7,21 @@ use std::time::{Duration, SystemTime};
 
 use crate::record::StoredResponse;
 
-/// What the upstream call did.
+/// What the execution did: the gateway's upstream call, or embedded mode's operation.
 #[derive(Debug)]
 pub enum Execution<R> {
     /// The upstream answered. `stored` is the response as it would be replayed;
-    /// `passthrough` is what the first client gets (all its end-to-end headers).
+    /// `passthrough` is what the first client gets (all its end-to-end headers). What the
+    /// answer means for the key is the policy's ([`crate::Policy::disposition`]) — in
+    /// embedded mode, the operation committed it.
     Responded {
         stored: StoredResponse,
         passthrough: R,
     },
+    /// The operation says itself that it kept nothing (embedded mode: its transaction is
+    /// rolled back, as for a status in `roll_back_on` or a job's error); the key is free
+    /// and the caller gets `R`.
+    Declined(R),
     /// The request provably never reached the upstream (connection refused).
     NotSent,
     /// The upstream may or may not have acted (timeout, connection broken mid-way).

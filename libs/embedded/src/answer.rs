@@ -3,7 +3,6 @@
 //! `max_response_bytes`, or passed through past it), and a rolled-back one marked
 //! `not_executed`.
 
-use std::convert::Infallible;
 use std::pin::Pin;
 use std::task::{Context, Poll};
 
@@ -21,19 +20,19 @@ use tracing::Span;
 
 use crate::Shared;
 
-/// The answer to an outcome decided without running the handler: a replay's, a
-/// conflict's span links to the first execution, as at the gateway.
-pub(crate) fn respond(shared: &Shared, outcome: Outcome<Infallible>) -> Response {
+/// The answer to an outcome, as the gateway gives it: the handler's own answer (`first`
+/// makes it), or one decided without running the handler — a replay's, a conflict's span
+/// links to the first execution.
+pub(crate) fn respond<R>(
+    shared: &Shared,
+    outcome: Outcome<R>,
+    first: impl FnOnce(R) -> Response,
+) -> Response {
     if let Some(first) = outcome.first_execution() {
         propagation::link(&Span::current(), first);
     }
     record_outcome(outcome.name());
-    idem_http::answer(
-        outcome,
-        shared.settings.mismatch_status,
-        None,
-        |never: Infallible| match never {},
-    )
+    idem_http::answer(outcome, shared.settings.mismatch_status, None, first)
 }
 
 /// Names what the request came to on its `idemgate.request` span.

@@ -3,20 +3,19 @@
 //! writes and its [`Stored`] result committed with the claim, and says how it ended
 //! ([`Once`], or an [`OnceError`] that tells a final refusal from one worth retrying).
 
-use std::convert::Infallible;
 use std::future::Future;
 use std::time::Duration;
 
 use bytes::Bytes;
 use http::HeaderMap;
 use idem_core::fingerprint::BodyKind;
-use idem_core::{IdempotencyKey, Outcome, Scope, StoredResponse};
+use idem_core::{Execution, IdempotencyKey, Outcome, Scope, StoredResponse};
 use idem_http::Problem;
 use idem_telemetry::propagation;
 use tracing::Span;
 
 use crate::Idempotency;
-use crate::once::{Finish, Run, run};
+use crate::once::run;
 use crate::tx::Tx;
 
 /// One logical operation to run at most once: a queue message, say. Its scope is (tenant,
@@ -278,30 +277,35 @@ impl<T> Idempotency<T> {
             let tx = Tx::in_slot(slot);
             async move {
                 Ok(match operation(tx).await {
-                    Ok(stored) => Finish::Commit(stored.to_stored(limit), stored),
-                    Err(error) => Finish::RollBack(error),
+                    Ok(stored) => Execution::Responded {
+                        stored: stored.to_stored(limit),
+                        passthrough: Ok(stored),
+                    },
+                    Err(error) => Execution::Declined(Err(error)),
                 })
             }
         })
         .await
         .map_err(OnceError::of)?;
-        match ran {
-            // The result as the operation gave it, even if too large to keep.
-            Run::Committed { carry, .. } => Ok(Once::Ran(carry)),
-            Run::RolledBack(error) => Err(OnceError::Failed(error)),
-            Run::Answered(outcome) => answered(outcome),
-        }
+        job_outcome(ran)
     }
 }
 
-/// A job's outcome decided without running it.
-fn answered<E>(outcome: Outcome<Infallible>) -> Result<Once, OnceError<E>> {
+/// What a job's run came to, for its caller: the operation's own result or error, or what
+/// its key's record answers.
+fn job_outcome<E>(outcome: Outcome<Result<Stored, E>>) -> Result<Once, OnceError<E>> {
     match outcome {
+        // The result as the operation gave it, even if too large to keep.
+        Outcome::Executed {
+            response: Ok(stored),
+            ..
+        } => Ok(Once::Ran(stored)),
+        Outcome::Released(Err(error)) => Err(OnceError::Failed(error)),
         Outcome::Replayed { response, .. } if response.body_omitted => Err(OnceError::NotKept),
         Outcome::Replayed { response, .. } => Ok(Once::Replayed(Stored::of(response))),
         Outcome::Mismatch { .. } => Err(OnceError::Mismatch),
         Outcome::InProgress { retry_after, .. } => Err(OnceError::InProgress { retry_after }),
-        // Not what a record decides without running anything.
+        // Not what a job's run comes to.
         Outcome::Executed { .. }
         | Outcome::Released(_)
         | Outcome::Uncertain(_)

@@ -23,7 +23,7 @@ use axum::body::Body;
 use axum::extract::Request;
 use axum::response::{IntoResponse, Response};
 use http::header;
-use idem_core::{AttemptId, Scope};
+use idem_core::{AttemptId, Execution, Outcome, Scope};
 use idem_http::Problem;
 use idem_http::request::{idempotency_key, read_body};
 use idem_telemetry::propagation;
@@ -37,7 +37,7 @@ use tower_service::Service;
 use tracing::{Instrument, Span};
 
 use crate::answer::{self, HandlerBody, PassOn, not_executed, respond};
-use crate::once::{self, Finish, Run};
+use crate::once;
 use crate::tx::Slot;
 use crate::{Shared, TenantFrom};
 
@@ -172,7 +172,7 @@ where
         slot.given_back(&scope)?;
         let status = response.status().as_u16();
         if options.roll_back_on.contains(status) {
-            return Ok(Finish::RollBack(response));
+            return Ok(Execution::Declined(response));
         }
         let (head, handler_body) = response.into_parts();
         let (kept, body) = match answer::read_answer(handler_body, options.max_response_bytes).await
@@ -188,21 +188,20 @@ where
         };
         let stored =
             idem_core::headers::to_stored(status, &head.headers, kept, options.store_set_cookie);
-        Ok(Finish::Commit(stored, (head, body)))
+        Ok(Execution::Responded {
+            stored,
+            passthrough: Response::from_parts(head, body),
+        })
     };
     match once::run(shared, &scope, fingerprint, trace_context, handler).await? {
-        Run::Answered(outcome) => Ok(respond(shared, outcome)),
-        Run::RolledBack(response) => Ok(not_executed(response, options.max_response_bytes).await),
-        Run::Committed {
-            expires_at,
-            carry: (mut head, body),
-            ..
-        } => {
+        Outcome::Released(response) => Ok(not_executed(response, options.max_response_bytes).await),
+        // The handler's committed answer (its length is the body's, whole or passed on), or
+        // a found record's: a replay, a mismatch, in progress.
+        outcome => Ok(respond(shared, outcome, |response: Response| {
+            let (mut head, body) = response.into_parts();
             head.headers.remove(header::CONTENT_LENGTH);
-            let mut response = Response::from_parts(head, body);
-            idem_http::set_expires(&mut response, expires_at);
-            Ok(response)
-        }
+            Response::from_parts(head, body)
+        })),
     }
 }
 

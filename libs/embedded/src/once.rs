@@ -20,14 +20,12 @@
 //! 5. the commit. One whose acknowledgement was lost is an unknown outcome: a retry finds
 //!    the committed record, or none.
 
-use std::convert::Infallible;
 use std::future::Future;
-use std::time::{Duration, SystemTime};
+use std::time::Duration;
 
 use idem_core::verdict;
 use idem_core::{
-    AttemptId, CacheEntry, Claim, ClaimResult, Completed, Fingerprint, Outcome, Scope,
-    StoredResponse,
+    AttemptId, CacheEntry, Claim, ClaimResult, Completed, Execution, Fingerprint, Outcome, Scope,
 };
 use idem_http::Problem;
 use idem_postgres::ledger::in_tx;
@@ -40,42 +38,28 @@ use crate::answer::record_outcome;
 use crate::gate::Entry;
 use crate::tx::Slot;
 
-/// How the operation ends, decided by its caller once it has run.
-pub(crate) enum Finish<C, B> {
-    /// Store this result with the record and commit; `C` is handed back after the commit.
-    Commit(StoredResponse, C),
-    /// Roll everything back: nothing of the operation is kept and the key is free; `B` is
-    /// handed back.
-    RollBack(B),
-}
-
-/// What one [`run`] came to.
-pub(crate) enum Run<C, B> {
-    /// Decided without running the operation: a replay, a mismatch, in progress.
-    Answered(Outcome<Infallible>),
-    /// The operation ran and committed with its result, kept until `expires_at`.
-    Committed { expires_at: SystemTime, carry: C },
-    /// The operation ran and was rolled back.
-    RolledBack(B),
-}
-
-/// Runs `operation` at most once for `scope` (see the module's steps). `operation` gets the
-/// transaction in a [`Slot`] and the attempt's token, and must have given the transaction
-/// back to the slot (a dropped [`Tx`](crate::tx::Tx) does) by the time it returns.
-pub(crate) async fn run<C, B, F, Fut>(
+/// Runs `operation` at most once for `scope` (see the module's steps), in the gateway's
+/// vocabulary: the operation says what it did as an [`Execution`] — `Responded`: store
+/// this result with its writes and commit; `Declined`: roll everything back, the key is
+/// free — and the run comes to an [`Outcome`]: `Executed` (committed, kept until its
+/// `expires_at`), `Released` (rolled back), or what a found record answers (a replay, a
+/// mismatch, in progress). `operation` gets the transaction in a [`Slot`] and the
+/// attempt's token, and must have given the transaction back to the slot (a dropped
+/// [`Tx`](crate::tx::Tx) does) by the time it returns.
+pub(crate) async fn run<R, F, Fut>(
     shared: &Shared,
     scope: &Scope,
     fingerprint: Fingerprint,
     trace_context: Option<String>,
     operation: F,
-) -> Result<Run<C, B>, Problem>
+) -> Result<Outcome<R>, Problem>
 where
     F: FnOnce(Slot, AttemptId) -> Fut,
-    Fut: Future<Output = Result<Finish<C, B>, Problem>>,
+    Fut: Future<Output = Result<Execution<R>, Problem>>,
 {
     let options = &shared.settings;
     if let Some((entry, _)) = shared.replays.get(scope) {
-        return Ok(Run::Answered(verdict::cached(entry, &fingerprint)));
+        return Ok(verdict::cached(entry, &fingerprint));
     }
 
     // Duplicates of a key this process is running wait for it here, holding no pooled
@@ -86,11 +70,11 @@ where
             Entry::Turn(turn) => break turn,
             Entry::Busy(done) => {
                 if tokio::time::timeout_at(deadline, done).await.is_err() {
-                    return Ok(Run::Answered(verdict::locked_out(false)));
+                    return Ok(verdict::locked_out(false));
                 }
                 // The first committed a result this process now holds, or went away.
                 if let Some((entry, _)) = shared.replays.get(scope) {
-                    return Ok(Run::Answered(verdict::cached(entry, &fingerprint)));
+                    return Ok(verdict::cached(entry, &fingerprint));
                 }
             }
         }
@@ -115,10 +99,10 @@ where
             drop(tx);
             let left = deadline.saturating_duration_since(Instant::now());
             let Ok(_waiting) = shared.lock_waits.try_acquire() else {
-                return Ok(Run::Answered(verdict::locked_out(false)));
+                return Ok(verdict::locked_out(false));
             };
             if left.is_zero() {
-                return Ok(Run::Answered(verdict::locked_out(false)));
+                return Ok(verdict::locked_out(false));
             }
             claim_on(shared, &claim, Some(left)).await?
         }
@@ -134,29 +118,41 @@ where
             }
             drop(tx);
             let found = verdict::found(&shared.replays, scope, record, &fingerprint, read, false);
-            return Ok(Run::Answered(match found.await {
+            return Ok(match found.await {
                 verdict::Found::Answered(outcome) => outcome,
                 verdict::Found::Running(record) => verdict::in_progress(&record, false),
-            }));
+            });
         }
         // The first run's claim is still uncommitted after `lock_wait`.
-        ClaimResult::Locked => return Ok(Run::Answered(verdict::locked_out(false))),
+        ClaimResult::Locked => return Ok(verdict::locked_out(false)),
     }
 
     let slot = Slot::new(tx);
-    let finish = operation(slot.clone(), attempt).await?;
+    let executed = operation(slot.clone(), attempt).await?;
     slot.given_back(scope)?;
     let mut tx = slot.take().expect("given back: the slot holds it");
-    let (stored, carry) = match finish {
-        Finish::RollBack(carry) => {
+    let (stored, passthrough) = match executed {
+        Execution::Responded {
+            stored,
+            passthrough,
+        } => (stored, passthrough),
+        Execution::Declined(passthrough) => {
             if let Err(error) = tx.rollback().await {
                 // The connection is closed with it: Postgres rolls back on its own.
                 tracing::warn!(?scope, %error, "could not roll back; the connection is dropped");
             }
             record_outcome("released");
-            return Ok(Run::RolledBack(carry));
+            return Ok(Outcome::Released(passthrough));
         }
-        Finish::Commit(stored, carry) => (stored, carry),
+        // Nothing leaves the transaction: an operation here has no call whose outcome could
+        // be unknown, nor one that could not be sent.
+        Execution::NotSent | Execution::Unknown => {
+            tracing::error!(
+                ?scope,
+                "an operation in one transaction said it called out; nothing was kept"
+            );
+            return Err(Problem::Internal);
+        }
     };
 
     let completed = in_tx::complete(&mut tx, scope, attempt, &fingerprint, &stored, options.ttl);
@@ -197,7 +193,10 @@ where
     // The row expires `ttl` after its transaction began (Postgres's `now()`), which
     // was after `begun`.
     verdict::remember(&shared.replays, scope, attempt, &entry, options.ttl, begun).await;
-    Ok(Run::Committed { expires_at, carry })
+    Ok(Outcome::Executed {
+        response: passthrough,
+        expires_at: Some(expires_at),
+    })
 }
 
 /// Begins the run's transaction and claims the key on it, waiting on another
