@@ -10,7 +10,9 @@ use secrecy::ExposeSecret;
 
 /// mimalloc instead of glibc's malloc: the request path allocates and frees many small
 /// buffers across threads, where glibc spent about a sixth of the gateway's CPU
-/// (loadtest/bench, case c).
+/// (loadtest/bench, case c). `--cfg heap_profile` leaves it out, for a heap profiler
+/// that hooks malloc (heaptrack).
+#[cfg(not(heap_profile))]
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
