@@ -70,12 +70,18 @@ impl Target {
 
     /// The secrets to sign with, read afresh (a rotation needs no restart).
     async fn secrets(&self) -> Result<Secrets, String> {
-        let text = tokio::fs::read_to_string(&self.secret_file)
+        let file = self.secret_file.clone();
+        tokio::task::spawn_blocking(move || read_secrets(&file))
             .await
-            .map_err(|e| format!("cannot read {}: {e}", self.secret_file.display()))?;
-        Secrets::parse(Scheme::StandardWebhooks, &text)
-            .map_err(|e| format!("{}: {e}", self.secret_file.display()))
+            .map_err(|e| e.to_string())?
     }
+}
+
+/// The Standard Webhooks secrets of `file`, or why not: at start and for each delivery.
+fn read_secrets(file: &std::path::Path) -> Result<Secrets, String> {
+    let text = std::fs::read_to_string(file)
+        .map_err(|e| format!("cannot read {}: {e}", file.display()))?;
+    Secrets::parse(Scheme::StandardWebhooks, &text).map_err(|e| format!("{}: {e}", file.display()))
 }
 
 /// Every tenant's callback target, as configured.
@@ -262,15 +268,8 @@ impl Callbacks {
             let Some(file) = &entry.callback_secret_file else {
                 continue;
             };
-            let text = std::fs::read_to_string(file).map_err(|e| {
-                anyhow::anyhow!(
-                    "{at}.callback_secret_file: cannot read {}: {e}",
-                    file.display()
-                )
-            })?;
-            Secrets::parse(Scheme::StandardWebhooks, &text).map_err(|e| {
-                anyhow::anyhow!("{at}.callback_secret_file: {}: {e}", file.display())
-            })?;
+            read_secrets(file)
+                .map_err(|why| anyhow::anyhow!("{at}.callback_secret_file: {why}"))?;
         }
         Ok(())
     }

@@ -46,9 +46,9 @@ impl FromRequestParts<Arc<AppState>> for Tenant {
 
     async fn from_request_parts(parts: &mut Parts, app: &Arc<AppState>) -> Result<Self, Problem> {
         let token = bearer(&parts.headers).map_err(Problem::Unauthorized)?;
-        // Boxed: a key fetch's future is tens of KiB, and an extractor's future is part of
-        // its handler's for as long as the request lives (a result's waiter: a minute).
-        let tenant = Box::pin(app.auth.verify_fetching(token))
+        let tenant = app
+            .auth
+            .verify_fetching(token)
             .await
             .map_err(Problem::Unauthorized)?;
         Span::current().record("tenant.id", tenant.0.as_str());

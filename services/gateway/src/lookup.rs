@@ -160,14 +160,7 @@ pub async fn result(
     RawQuery(query): RawQuery,
     headers: HeaderMap,
 ) -> Result<Response, Problem> {
-    let mut one = Box::pin(OneKey::admit(
-        &app,
-        tenant,
-        key,
-        query.as_deref(),
-        SHARE_WAIT,
-    ))
-    .await?;
+    let mut one = OneKey::admit(&app, tenant, key, query.as_deref(), SHARE_WAIT).await?;
     let wait = idem_core::headers::preferred_wait(&headers)
         .map(|wait| wait.min(app.max_result_wait))
         .filter(|wait| !wait.is_zero());
@@ -189,10 +182,9 @@ pub async fn result(
         let deadline = tokio::time::Instant::now() + wait;
         loop {
             let settled = waiting.settled();
-            // Boxed: the fast path's future is large, and it is made anew each turn.
             let changed = async {
                 match app.engine.cache() {
-                    MaybeCache::Some(cache) => Box::pin(cache.changed(&scope)).await,
+                    MaybeCache::Some(cache) => cache.changed(&scope).await,
                     MaybeCache::None => std::future::pending().await,
                 }
             };
@@ -239,19 +231,14 @@ pub async fn result(
 }
 
 /// The live record of `scope`, its stored body included.
-/// The key's record. The ledger's read is boxed: its future (a pooled connection, a
-/// statement, a span) is tens of KiB, and a result's waiter, which reads before and after
-/// it waits, would otherwise hold that much for the whole wait.
 async fn read_record(app: &AppState, scope: &Scope) -> Result<Option<Record>, Problem> {
-    Box::pin(app.engine.ledger().get(scope))
-        .await
-        .map_err(|error| {
-            if error.is_busy() {
-                return Problem::Overloaded;
-            }
-            tracing::error!(%error, "result lookup failed");
-            Problem::LedgerUnavailable
-        })
+    app.engine.ledger().get(scope).await.map_err(|error| {
+        if error.is_busy() {
+            return Problem::Overloaded;
+        }
+        tracing::error!(%error, "result lookup failed");
+        Problem::LedgerUnavailable
+    })
 }
 
 /// 202: the operation runs (or is held until its outcome is known), with the lookup's
@@ -448,9 +435,9 @@ mod sizes {
         std::mem::size_of::<R>()
     }
 
-    /// A result's waiter holds its handler's future for up to a minute: the ledger's reads
-    /// in it are boxed, so the wait holds a little more than a kilobyte, not the size of a
-    /// ledger read (22 KiB in a debug build, 73 KiB in a release build before they were:
+    /// A result's waiter holds its handler's future for up to a minute: the 202's lookup
+    /// in it is boxed, so the wait holds a little more than a kilobyte, not the size of
+    /// that lookup (22 KiB in a debug build, 73 KiB in a release build before it was:
     /// loadtest/waiters measured 123 KiB of RSS per waiter, 37 KiB after).
     #[test]
     fn a_results_waiter_holds_a_small_future() {
